@@ -1,0 +1,20 @@
+"""decodejax: exact, fast paged decode attention and a decode runtime for JAX."""
+
+from decodejax import addressing, planning, reference, split_state
+from decodejax.addressing import AddressingError, KVLayout
+from decodejax.masks import DecodeMask
+from decodejax.planning import SplitPlan
+from decodejax.split_state import LseState, SplitState
+
+__all__ = [
+    "AddressingError",
+    "DecodeMask",
+    "KVLayout",
+    "LseState",
+    "SplitPlan",
+    "SplitState",
+    "addressing",
+    "planning",
+    "reference",
+    "split_state",
+]

@@ -1,0 +1,255 @@
+"""Split planning and the storage/traffic ledgers (invariants P1-P2).
+
+Split bounds are per request and half-open; they are disjoint and cover exactly [0, T_b).
+Slots beyond a request's splits (up to the plan's capacity) are EMPTY: start == end.
+
+    request b:  [0 ............................................ T_b)
+    splits:     [s0      )[s1      )[s2     )[s3     )  (empty)(empty)
+                 q+1       q+1       q        q        capacity - S slots
+
+Bounds functions work on numpy and jax arrays, so kernels receive them as i32[B, S] inputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+
+class PlanMismatch(ValueError):
+    """A run whose static fields differ from its plan's."""
+
+
+def _xp(x):
+    """numpy for host arrays, jax.numpy otherwise (so the bounds run inside jit)."""
+    if isinstance(x, (np.ndarray, list, tuple, int)):
+        return np
+    import jax.numpy as jnp
+
+    return jnp
+
+
+def balanced_split_bounds(lengths, num_splits: int):
+    """Balanced quotient/remainder bounds: split s of request b gets q_b + [s < r_b] tokens.
+
+    Args:
+      lengths: i32[B], T_b.
+      num_splits: S >= 1.
+
+    Returns:
+      (start, end), each i32[B, S].
+    """
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    xp = _xp(lengths)
+    t = xp.asarray(lengths).astype(xp.int32)[:, None]
+    s = xp.arange(num_splits, dtype=xp.int32)[None, :]
+    q, r = t // num_splits, t % num_splits
+    start = s * q + xp.minimum(s, r)
+    end = start + q + (s < r).astype(xp.int32)
+    return start, end
+
+
+def fixed_chunk_bounds(lengths, chunk: int, num_splits: int | None = None):
+    """Fixed-width chunks [s C, (s + 1) C) clipped to T_b; the last chunk may be short.
+
+    Args:
+      lengths: i32[B].
+      chunk: C >= 1 tokens per split.
+      num_splits: slots per request; default ceil(max T / C) (needs host lengths).
+
+    Returns:
+      (start, end), each i32[B, num_splits]; slots past T_b are EMPTY (start == end == T_b).
+    """
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
+    xp = _xp(lengths)
+    t = xp.asarray(lengths).astype(xp.int32)
+    if num_splits is None:
+        num_splits = max(1, -(-int(np.max(t, initial=0)) // chunk))
+    s = xp.arange(num_splits, dtype=xp.int32)[None, :]
+    start = xp.minimum(s * chunk, t[:, None])
+    end = xp.minimum((s + 1) * chunk, t[:, None])
+    return start, end
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitPlan:
+    """One static split schedule: binds the producer grid, workspace shapes and reducer range.
+
+    Attributes:
+      num_splits: S, the splits a request is cut into (balanced policy).
+      capacity: S_capacity >= S, the workspace slots per (request, head); the reducer reads
+        all of them and slots >= S hold EMPTY.
+      policy: "balanced" (S splits per request) or "fixed_chunk" (splits of `chunk` tokens,
+        up to capacity; batch-invariant since a request's bounds ignore its neighbours).
+      chunk: tokens per split for "fixed_chunk".
+    """
+
+    num_splits: int
+    capacity: int
+    policy: str = "balanced"
+    chunk: int | None = None
+
+    def __post_init__(self):
+        if self.policy not in ("balanced", "fixed_chunk"):
+            raise ValueError(f"policy must be 'balanced' or 'fixed_chunk', got {self.policy!r}")
+        if self.num_splits < 1:
+            raise ValueError(f"num_splits must be >= 1, got {self.num_splits}")
+        if self.capacity < self.num_splits:
+            raise ValueError(f"capacity={self.capacity} is smaller than num_splits={self.num_splits}")
+        if (self.policy == "fixed_chunk") != (self.chunk is not None):
+            raise ValueError(f"chunk={self.chunk} is required by, and only by, policy 'fixed_chunk'")
+        if self.chunk is not None and self.chunk < 1:
+            raise ValueError(f"chunk must be >= 1, got {self.chunk}")
+
+    def bounds(self, lengths):
+        """(start, end), each i32[B, capacity]; EMPTY slots have start == end."""
+        if self.policy == "fixed_chunk":
+            start, end = fixed_chunk_bounds(lengths, self.chunk, self.capacity)
+            xp = _xp(lengths)
+            # A request longer than capacity chunks would lose tokens: fail loudly on host.
+            if xp is np and np.any(np.asarray(lengths) > self.capacity * self.chunk):
+                raise PlanMismatch(
+                    f"lengths up to {int(np.max(lengths))} exceed capacity {self.capacity} x chunk {self.chunk}"
+                )
+            return start, end
+        start, end = balanced_split_bounds(lengths, self.num_splits)
+        pad = self.capacity - self.num_splits
+        if pad:
+            xp = _xp(lengths)
+            tail = xp.broadcast_to(end[:, -1:], (end.shape[0], pad))
+            start = xp.concatenate([start, tail], axis=1)
+            end = xp.concatenate([end, tail], axis=1)
+        return start, end
+
+    def producer_grid(self, batch: int, kv_heads: int) -> tuple[int, int, int]:
+        """(B, H_kv, S_capacity): one program per (request, K/V head, split slot)."""
+        return (batch, kv_heads, self.capacity)
+
+    def workspace_shapes(self, batch: int, q_heads: int, d_v: int) -> dict[str, tuple[int, ...]]:
+        """Partial-state workspace shapes of the (LSE, O) ABI, both float32."""
+        return {"o": (batch, q_heads, self.capacity, d_v), "lse": (batch, q_heads, self.capacity)}
+
+    def check_run(self, **static_fields) -> None:
+        """Raises PlanMismatch naming every static field that differs from this plan's."""
+        diffs = [
+            f"{k}: plan has {getattr(self, k)!r}, run has {v!r}"
+            for k, v in static_fields.items()
+            if getattr(self, k) != v
+        ]
+        if diffs:
+            raise PlanMismatch("run does not match its plan: " + "; ".join(diffs))
+
+
+def owner_counts(plan: SplitPlan, lengths, q_heads: int) -> dict[str, int]:
+    """Producer owners (B x H_q x capacity), how many own a non-empty range, how many are EMPTY."""
+    start, end = plan.bounds(np.asarray(lengths))
+    active = int(np.sum(end > start)) * q_heads
+    total = len(lengths) * q_heads * plan.capacity
+    return {"owners": total, "active": active, "empty": total - active, "reducers": len(lengths) * q_heads}
+
+
+def choose_num_splits(batch: int, kv_heads: int, num_kv_blocks: int, num_sms: int, max_splits: int) -> int:
+    """FlashAttention's split-KV heuristic.
+
+    With batch x kv_heads programs already filling >= 80% of the SMs, one split. Otherwise,
+    for S = 1..min(max_splits, num_sms, num_kv_blocks), wave efficiency is
+    n_waves / ceil(n_waves) with n_waves = batch * kv_heads * S / num_sms; S values that do
+    not change ceil(num_kv_blocks / S) are skipped; the answer is the smallest S whose
+    efficiency reaches 85% of the best.
+    """
+    programs = batch * kv_heads
+    if programs >= 0.8 * num_sms:
+        return 1
+    limit = max(1, min(max_splits, num_sms, num_kv_blocks))
+
+    def eligible(s):
+        return s == 1 or -(-num_kv_blocks // s) != -(-num_kv_blocks // (s - 1))
+
+    def efficiency(s):
+        waves = programs * s / num_sms
+        return waves / math.ceil(waves)
+
+    effs = {s: efficiency(s) for s in range(1, limit + 1) if eligible(s)}
+    best = max(effs.values())
+    return min(s for s, e in effs.items() if e >= 0.85 * best)
+
+
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "uint8": 1, "int32": 4}
+
+
+def _bytes(dtype) -> int:
+    name = np.dtype(dtype).name if not isinstance(dtype, str) else dtype
+    if name not in _DTYPE_BYTES:
+        raise ValueError(f"unknown dtype {dtype!r}")
+    return _DTYPE_BYTES[name]
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkspaceLedger:
+    """Bytes of a partial-state workspace: logical payload vs allocation envelope."""
+
+    bytes_per_state: int
+    logical_bytes: int
+    allocated_bytes: int
+
+
+def workspace_bytes(
+    num_states: int,
+    d_v: int,
+    *,
+    abi: str = "mlu",
+    vector_dtype="float32",
+    scalar_dtype="float32",
+    valid_bytes: int = 1,
+    alignment: int | None = None,
+    capacity_states: int | None = None,
+) -> WorkspaceLedger:
+    """Workspace of `num_states` partial states.
+
+    abi "mlu": per state d_v vector elements + m + l + validity; "lse_o": d_v + lse + validity.
+    `alignment` pads d_v to a multiple (elements) in the allocation envelope, which also counts
+    `capacity_states` (default num_states).
+    """
+    scalars = {"mlu": 2, "lse_o": 1}
+    if abi not in scalars:
+        raise ValueError(f"abi must be 'mlu' or 'lse_o', got {abi!r}")
+    fixed = scalars[abi] * _bytes(scalar_dtype) + valid_bytes
+    per_state = d_v * _bytes(vector_dtype) + fixed
+    d_alloc = d_v if alignment is None else -(-d_v // alignment) * alignment
+    cap = num_states if capacity_states is None else capacity_states
+    return WorkspaceLedger(
+        bytes_per_state=per_state,
+        logical_bytes=num_states * per_state,
+        allocated_bytes=cap * (d_alloc * _bytes(vector_dtype) + fixed),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class TrafficLedger:
+    """Logical bytes of one split decode call (not measured DRAM traffic).
+
+    unique_kv_bytes: every visible K and V row once per K/V head.
+    q_head_demand_bytes: what per-query-head loads would request (unique x H_q / H_kv).
+    workspace_round_trip_bytes: partial states written once and read once.
+    """
+
+    unique_kv_bytes: int
+    q_head_demand_bytes: int
+    workspace_round_trip_bytes: int
+
+
+def traffic_ledger(
+    lengths, q_heads: int, kv_heads: int, d_qk: int, d_v: int, cache_dtype="bfloat16", workspace: WorkspaceLedger | None = None
+) -> TrafficLedger:
+    total = int(np.sum(np.asarray(lengths)))
+    b = _bytes(cache_dtype)
+    unique = total * kv_heads * (d_qk + d_v) * b
+    return TrafficLedger(
+        unique_kv_bytes=unique,
+        q_head_demand_bytes=total * q_heads * (d_qk + d_v) * b,
+        workspace_round_trip_bytes=0 if workspace is None else 2 * workspace.logical_bytes,
+    )

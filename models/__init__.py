@@ -1,0 +1,1 @@
+"""Flax NNX models that touch the paged cache only through decodejax interfaces."""

@@ -1,0 +1,1 @@
+"""Pallas GPU kernels; each file holds a kernel body and a thin wrapper with shape checks."""

@@ -1,0 +1,115 @@
+"""Invariants P1-P2: split bounds, plans, the split-count heuristic and the ledgers."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from decodejax import fixtures, planning
+from decodejax.planning import PlanMismatch, SplitPlan
+
+
+def assert_exact_cover(lengths, start, end):
+    """P1: per request, non-empty ranges are disjoint, in order, and cover [0, T_b)."""
+    for b, t in enumerate(lengths):
+        covered = np.zeros(t, int)
+        for s, e in zip(start[b], end[b]):
+            assert 0 <= s <= e <= t
+            covered[s:e] += 1
+        assert np.all(covered == 1)
+
+
+@given(lengths=st.lists(st.integers(0, 5000), min_size=1, max_size=8), splits=st.integers(1, 40))
+@settings(max_examples=60, deadline=None)
+def test_P1_balanced_bounds_cover_exactly(lengths, splits):
+    start, end = planning.balanced_split_bounds(np.array(lengths), splits)
+    assert_exact_cover(lengths, start, end)
+    sizes = end - start
+    assert np.all(sizes.max(1) - sizes.min(1) <= 1)
+
+
+@given(lengths=st.lists(st.integers(0, 5000), min_size=1, max_size=8), chunk=st.integers(1, 700))
+@settings(max_examples=60, deadline=None)
+def test_P1_fixed_chunk_bounds_cover_exactly(lengths, chunk):
+    start, end = planning.fixed_chunk_bounds(np.array(lengths), chunk)
+    assert_exact_cover(lengths, start, end)
+
+
+def test_P1_bounds_run_under_jit_and_match_host():
+    lengths = np.array([3587, 4096, 0, 5])
+    host = planning.balanced_split_bounds(lengths, 8)
+    dev = jax.jit(lambda t: planning.balanced_split_bounds(t, 8))(jnp.asarray(lengths))
+    np.testing.assert_array_equal(np.asarray(dev[0]), host[0])
+    np.testing.assert_array_equal(np.asarray(dev[1]), host[1])
+
+
+def test_seed_fixture_split_lengths():
+    fx = fixtures.SPLIT_LENGTHS
+    start, end = planning.balanced_split_bounds(np.array([fx["T"]]), fx["S"])
+    assert (end - start)[0].tolist() == fx["lengths"]
+
+
+def test_P1_capacity_slots_are_empty_and_counted():
+    fx = fixtures.LEDGERS["capacity"]
+    plan = SplitPlan(num_splits=fx["S"], capacity=fx["capacity"])
+    start, end = plan.bounds(np.array(fx["T"]))
+    assert start.shape == (2, 8)
+    assert (end - start)[0].tolist() == [1, 1, 1, 0, 0, 0, 0, 0]
+    assert np.all(end[1] == start[1])
+    counts = planning.owner_counts(plan, fx["T"], fx["H_q"])
+    assert (counts["owners"], counts["active"], counts["empty"], counts["reducers"]) == (64, 12, 52, 8)
+
+
+def test_P2_plan_rejects_mismatched_run_naming_fields():
+    plan = SplitPlan(num_splits=4, capacity=8)
+    plan.check_run(num_splits=4, capacity=8)
+    with pytest.raises(PlanMismatch, match="num_splits: plan has 4, run has 2.*capacity: plan has 8, run has 16"):
+        plan.check_run(num_splits=2, capacity=16)
+
+
+def test_P2_plan_validation_errors():
+    with pytest.raises(ValueError, match="capacity=2 is smaller than num_splits=4"):
+        SplitPlan(4, 2)
+    with pytest.raises(ValueError, match="chunk=None"):
+        SplitPlan(1, 4, policy="fixed_chunk")
+    with pytest.raises(PlanMismatch, match="exceed capacity 2 x chunk 10"):
+        SplitPlan(1, 2, policy="fixed_chunk", chunk=10).bounds(np.array([25]))
+
+
+def test_P2_fixed_chunk_plan_is_batch_invariant():
+    plan = SplitPlan(num_splits=1, capacity=6, policy="fixed_chunk", chunk=100)
+    alone = plan.bounds(np.array([437]))
+    batched = plan.bounds(np.array([12, 437, 599]))
+    np.testing.assert_array_equal(alone[0][0], batched[0][1])
+    np.testing.assert_array_equal(alone[1][0], batched[1][1])
+
+
+def test_choose_num_splits_heuristic():
+    # Enough programs to fill 80% of the SMs: one split.
+    assert planning.choose_num_splits(64, 8, 64, 132, 64) == 1
+    # One request, 8 heads, 132 SMs: the best is S = 33 (two full waves, efficiency 1.0);
+    # S = 14 reaches 112/132 = 0.848 < 0.85, S = 15 reaches 120/132 = 0.909.
+    assert planning.choose_num_splits(1, 8, 2048, 132, 64) == 15
+    # Never more splits than K/V blocks.
+    assert planning.choose_num_splits(1, 1, 3, 132, 64) == 3
+    # Counts that do not change blocks per split are skipped (4 blocks: 3 -> ceil 2 like 2).
+    s = planning.choose_num_splits(1, 40, 4, 132, 64)
+    assert s in (1, 2, 4) and s != 3
+
+
+def test_seed_fixture_ledgers():
+    fx = fixtures.LEDGERS
+    call = fx["call"]
+    n = call["B"] * call["H_q"] * call["S"]
+    mlu = planning.workspace_bytes(n, call["d"], abi="mlu")
+    assert (mlu.bytes_per_state, mlu.logical_bytes) == (fx["mlu_bytes_per_state"], fx["mlu_bytes"])
+    lse_o = planning.workspace_bytes(n, call["d"], abi="lse_o", vector_dtype="bfloat16")
+    assert (lse_o.bytes_per_state, lse_o.logical_bytes) == (fx["lse_o_bytes_per_state"], fx["lse_o_bytes"])
+    t = planning.traffic_ledger(call["T"], call["H_q"], call["H_kv"], call["d"], call["d"], workspace=mlu)
+    assert (t.unique_kv_bytes, t.q_head_demand_bytes) == (fx["unique_kv_bytes"], fx["q_head_demand_bytes"])
+    assert t.workspace_round_trip_bytes == 2 * fx["mlu_bytes"]
+    pad = fx["padded"]
+    w = planning.workspace_bytes(pad["states"], pad["d_v"], alignment=pad["alignment"])
+    assert (w.logical_bytes, w.allocated_bytes) == (pad["logical"], pad["allocated"])
