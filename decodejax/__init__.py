@@ -1,6 +1,7 @@
 """decodejax: exact, fast paged decode attention and a decode runtime for JAX."""
 
 from decodejax import addressing, planning, reference, split_state
+from decodejax._ops import backends, decode_attention, gather_pages, merge_states
 from decodejax.addressing import AddressingError, KVLayout
 from decodejax.masks import DecodeMask
 from decodejax.planning import SplitPlan
@@ -14,6 +15,10 @@ __all__ = [
     "SplitPlan",
     "SplitState",
     "addressing",
+    "backends",
+    "decode_attention",
+    "gather_pages",
+    "merge_states",
     "planning",
     "reference",
     "split_state",

@@ -86,12 +86,15 @@ class SplitPlan:
       policy: "balanced" (S splits per request) or "fixed_chunk" (splits of `chunk` tokens,
         up to capacity; batch-invariant since a request's bounds ignore its neighbours).
       chunk: tokens per split for "fixed_chunk".
+      align: "balanced" bounds fall on multiples of `align` tokens (a kernel's block), so
+        no block is shared by two splits; the last split ends at T_b.
     """
 
     num_splits: int
     capacity: int
     policy: str = "balanced"
     chunk: int | None = None
+    align: int = 1
 
     def __post_init__(self):
         if self.policy not in ("balanced", "fixed_chunk"):
@@ -104,6 +107,8 @@ class SplitPlan:
             raise ValueError(f"chunk={self.chunk} is required by, and only by, policy 'fixed_chunk'")
         if self.chunk is not None and self.chunk < 1:
             raise ValueError(f"chunk must be >= 1, got {self.chunk}")
+        if self.align < 1:
+            raise ValueError(f"align must be >= 1, got {self.align}")
 
     def bounds(self, lengths):
         """(start, end), each i32[B, capacity]; EMPTY slots have start == end."""
@@ -116,10 +121,14 @@ class SplitPlan:
                     f"lengths up to {int(np.max(lengths))} exceed capacity {self.capacity} x chunk {self.chunk}"
                 )
             return start, end
-        start, end = balanced_split_bounds(lengths, self.num_splits)
+        xp = _xp(lengths)
+        t = xp.asarray(lengths).astype(xp.int32)
+        blocks = -(-t // self.align)
+        start, end = balanced_split_bounds(blocks, self.num_splits)
+        start = xp.minimum(start * self.align, t[:, None])
+        end = xp.minimum(end * self.align, t[:, None])
         pad = self.capacity - self.num_splits
         if pad:
-            xp = _xp(lengths)
             tail = xp.broadcast_to(end[:, -1:], (end.shape[0], pad))
             start = xp.concatenate([start, tail], axis=1)
             end = xp.concatenate([end, tail], axis=1)

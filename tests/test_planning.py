@@ -113,3 +113,12 @@ def test_seed_fixture_ledgers():
     pad = fx["padded"]
     w = planning.workspace_bytes(pad["states"], pad["d_v"], alignment=pad["alignment"])
     assert (w.logical_bytes, w.allocated_bytes) == (pad["logical"], pad["allocated"])
+
+
+@given(lengths=st.lists(st.integers(0, 5000), min_size=1, max_size=6), splits=st.integers(1, 20), align=st.sampled_from([1, 16, 64]))
+@settings(max_examples=60, deadline=None)
+def test_P1_block_aligned_plan_covers_exactly(lengths, splits, align):
+    start, end = SplitPlan(splits, splits + 2, align=align).bounds(np.array(lengths))
+    assert_exact_cover(lengths, start, end)
+    inner = start[end > start]
+    assert np.all(inner % align == 0)

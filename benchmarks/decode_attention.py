@@ -1,0 +1,212 @@
+"""Decode-attention benchmark on the GPU: decodejax against its peers, same shapes and data.
+
+    python -m benchmarks.decode_attention --out benchmarks/results/decode_attention.json \
+        [--flashinfer FLASHINFER.json]
+    python -m benchmarks.decode_attention --report benchmarks/results/decode_attention.json
+
+Each variant is timed as SAMPLES samples of REPS back-to-back calls followed by
+block_until_ready (so launch overhead is pipelined as in a decode loop); the JSON keeps every
+raw sample (microseconds per call). Effective bandwidth is unique K/V bytes over the median
+time, against the H200's 4.8 TB/s datasheet figure. FlashInfer runs under PyTorch in its own
+process (benchmarks.peers.flashinfer_decode) on data built by the same `make_case`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import platform
+import time
+
+import numpy as np
+
+from benchmarks import cases as bench_cases
+
+SAMPLES, REPS, WARMUP = 30, 10, 3
+DATASHEET_TBPS = 4.8
+SPLIT_SWEEP = (1, 2, 4, 8, 16, 32, 64)
+BUILTIN_K_SPLITS = (1, 2, 4, 8, 16)
+
+
+def time_jax(fn, *args) -> list[float]:
+    for _ in range(WARMUP):
+        fn(*args).block_until_ready()
+    samples = []
+    for _ in range(SAMPLES):
+        t0 = time.perf_counter()
+        for _ in range(REPS):
+            out = fn(*args)
+        out.block_until_ready()
+        samples.append((time.perf_counter() - t0) * 1e6 / REPS)
+    return samples
+
+
+def summarize(samples, nbytes):
+    med, lo = float(np.median(samples)), float(np.min(samples))
+    return {"samples_us": samples, "median_us": med, "min_us": lo, "tbps_median": nbytes / med / 1e6, "tbps_min_time": nbytes / lo / 1e6}
+
+
+def run_case(case, results, sweep: bool):
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental.pallas.ops.gpu import paged_attention as builtin
+
+    import decodejax
+    from decodejax import KVLayout, reference
+
+    data = bench_cases.make_case(case)
+    nbytes = bench_cases.kv_bytes(case)
+    q = jnp.asarray(data["q"], jnp.bfloat16)
+    k = jnp.asarray(data["k_pages"], jnp.bfloat16)
+    v = jnp.asarray(data["v_pages"], jnp.bfloat16)
+    table = jnp.asarray(data["page_table"])
+    lens = jnp.asarray(data["seq_lens"])
+    entry = {"case": case.__dict__ | {"tags": list(case.tags)}, "kv_bytes": nbytes, "variants": {}}
+    results["cases"][case.name] = entry
+
+    ref_o, _ = jax.jit(reference.paged_decode)(q, k, v, table, lens)
+    ref_o = np.asarray(ref_o, np.float32)
+    entry["reference_checksum"] = float(np.abs(ref_o).sum())
+
+    def record(name, fn, *args):
+        try:
+            out = fn(*args)
+            err = float(np.max(np.abs(np.asarray(out, np.float32) - ref_o)))
+            stats = summarize(time_jax(fn, *args), nbytes)
+            entry["variants"][name] = {"max_abs_err_vs_reference": err, **stats}
+            print(f"{case.name:24s} {name:34s} {stats['median_us']:9.1f} us  {stats['tbps_median']:5.2f} TB/s  err {err:.2e}", flush=True)
+        except Exception as exc:  # a peer that cannot run this shape is recorded, not hidden
+            entry["variants"][name] = {"error": repr(exc)[:600]}
+            print(f"{case.name:24s} {name:34s} ERROR {repr(exc)[:200]}", flush=True)
+
+    ours = lambda **kw: jax.jit(functools.partial(decodejax.decode_attention, backend="pallas_triton", **kw))
+    record("decodejax/nhd/auto", ours(), q, k, v, table, lens)
+    k_hnd, v_hnd = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
+    record("decodejax/hnd/auto", ours(layout=KVLayout.PAGED_HND), q, k_hnd, v_hnd, table, lens)
+    del k_hnd, v_hnd
+    if sweep:
+        for s in SPLIT_SWEEP:
+            record(f"decodejax/nhd/splits={s}", ours(num_splits=s), q, k, v, table, lens)
+    record("decodejax/nhd/deterministic", ours(deterministic=True), q, k, v, table, lens)
+
+    # JAX's builtin Pallas paged attention: pool [H_kv, num_pages, P, D]; best of its k_splits.
+    k_h, v_h = jnp.transpose(k, (2, 0, 1, 3)), jnp.transpose(v, (2, 0, 1, 3))
+    width = table.shape[1]
+    for ks in BUILTIN_K_SPLITS:
+        if width % ks == 0 and (width // ks) % min(8, width // ks) == 0:
+            fn = jax.jit(functools.partial(builtin.paged_attention, k_splits=ks, pages_per_compute_block=min(8, width // ks)))
+            record(f"jax_builtin_pallas/k_splits={ks}", fn, q, k_h, v_h, table, lens)
+    del k_h, v_h
+
+    record("xla_gather_reference", jax.jit(lambda *a: reference.paged_decode(*a)[0].astype(jnp.bfloat16)), q, k, v, table, lens)
+
+    # cuDNN on contiguous K/V [B, T, H_kv, D] (the paged data gathered once, outside the timing).
+    k_c = decodejax.gather_pages(k, table, lens, backend="xla")
+    v_c = decodejax.gather_pages(v, table, lens, backend="xla")
+
+    def cudnn(q, k_c, v_c, lens):
+        o = jax.nn.dot_product_attention(q[:, None], k_c, v_c, key_value_seq_lengths=lens, implementation="cudnn")
+        return o[:, 0]
+
+    record("cudnn_contiguous", jax.jit(cudnn), q, k_c, v_c, lens)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="benchmarks/results/decode_attention.json")
+    parser.add_argument("--flashinfer", help="JSON written by benchmarks.peers.flashinfer_decode")
+    parser.add_argument("--report", help="only render the markdown table of this JSON")
+    parser.add_argument("--cases", default="", help="comma-separated case names (default all)")
+    args = parser.parse_args(argv)
+    if args.report:
+        print(render_table(json.load(open(args.report))))
+        return
+    import jax
+
+    results = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": {"device": jax.devices()[0].device_kind, "platform": platform.platform(), "python": platform.python_version(), "jax": jax.__version__},
+        "method": {"samples": SAMPLES, "reps_per_sample": REPS, "warmup": WARMUP, "unit": "microseconds per call", "datasheet_tbps": DATASHEET_TBPS},
+        "cases": {},
+    }
+    try:
+        import jaxlib
+
+        results["machine"]["jaxlib"] = jaxlib.__version__
+    except Exception:
+        pass
+    wanted = set(filter(None, args.cases.split(",")))
+    for case in bench_cases.CASES:
+        if not wanted or case.name in wanted:
+            run_case(case, results, sweep="target" in case.tags)
+            json.dump(results, open(args.out, "w"), indent=1)
+    if args.flashinfer:
+        fi = json.load(open(args.flashinfer))
+        results["flashinfer"] = fi
+        for name, entry in results["cases"].items():
+            for tc in (False, True):
+                raw = fi.get(f"{name}/tensor_cores={tc}", {})
+                if "samples_us" in raw:
+                    entry["variants"][f"flashinfer/tensor_cores={tc}"] = {
+                        **summarize(raw["samples_us"], entry["kv_bytes"]),
+                        "abs_checksum": raw["out_checksum"],
+                    }
+                elif raw:
+                    entry["variants"][f"flashinfer/tensor_cores={tc}"] = {"error": raw.get("error", "")}
+    json.dump(results, open(args.out, "w"), indent=1)
+    print(render_table(results))
+
+
+def _best(variants, prefix):
+    timed = {k: v for k, v in variants.items() if k.startswith(prefix) and "median_us" in v}
+    if not timed:
+        return None, None
+    name = min(timed, key=lambda k: timed[k]["median_us"])
+    return name, timed[name]
+
+
+def render_table(results) -> str:
+    m = results["machine"]
+    lines = [
+        f"Machine: {m['device']}, jax {m['jax']}, Python {m['python']}; {results['date']}. "
+        f"{results['method']['samples']} samples x {results['method']['reps_per_sample']} back-to-back calls; "
+        "TB/s = unique K/V bytes / median time (datasheet 4.8 TB/s).",
+        "",
+        "| case | decodejax (auto, NHD) us med / min | TB/s | best decodejax | JAX builtin Pallas (best k_splits) | XLA gather | cuDNN contiguous | FlashInfer best | ours vs builtin | ours vs FlashInfer |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, entry in results["cases"].items():
+        var = entry["variants"]
+        auto = var.get("decodejax/nhd/auto", {})
+        if "median_us" not in auto:
+            lines.append(f"| {name} | error | | | | | | | | |")
+            continue
+        best_name, best = _best(var, "decodejax/")
+        bi_name, bi = _best(var, "jax_builtin_pallas/")
+        fi_name, fi = _best(var, "flashinfer/")
+        fmt = lambda v: f"{v['median_us']:.1f}" if v and "median_us" in v else "n/a"
+        ratio = lambda peer: f"{peer['median_us'] / auto['median_us']:.2f}x" if peer else "n/a"
+        lines.append(
+            f"| {name} | {auto['median_us']:.1f} / {auto['min_us']:.1f} | {auto['tbps_median']:.2f} | "
+            f"{best['median_us']:.1f} ({best_name.split('/', 1)[1]}) | "
+            f"{fmt(bi)}{' (' + bi_name.split('=')[1] + ')' if bi else ''} | {fmt(var.get('xla_gather_reference'))} | "
+            f"{fmt(var.get('cudnn_contiguous'))} | {fmt(fi)}{' (' + fi_name.split('/')[1] + ')' if fi else ''} | "
+            f"{ratio(bi)} | {ratio(fi)} |"
+        )
+    lines += ["", "Split-count sweep (decodejax, NHD), median us:", ""]
+    header = "| case | " + " | ".join(f"S={s}" for s in SPLIT_SWEEP) + " | auto | deterministic |"
+    lines += [header, "|" + "---|" * (len(SPLIT_SWEEP) + 3)]
+    for name, entry in results["cases"].items():
+        var = entry["variants"]
+        if not any(k.startswith("decodejax/nhd/splits=") for k in var):
+            continue
+        cells = [f"{var.get(f'decodejax/nhd/splits={s}', {}).get('median_us', float('nan')):.1f}" for s in SPLIT_SWEEP]
+        cells += [f"{var.get('decodejax/nhd/auto', {}).get('median_us', float('nan')):.1f}", f"{var.get('decodejax/nhd/deterministic', {}).get('median_us', float('nan')):.1f}"]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,78 @@
+"""FlashInfer's BatchDecodeWithPagedKVCache on the benchmark cases, in its own (PyTorch) process.
+
+Run from the repository root: `python -m benchmarks.peers.flashinfer_decode OUT.json`. It builds
+the same data as the JAX benchmark (benchmarks.cases.make_case), times `reps` back-to-back runs
+between CUDA events per sample, and writes raw samples (microseconds per call) as JSON.
+"""
+
+import json
+import sys
+import traceback
+
+import numpy as np
+import torch
+
+from benchmarks import cases as bench_cases
+
+SAMPLES, REPS, WARMUP = 30, 10, 5
+
+
+def time_call(fn) -> list[float]:
+    for _ in range(WARMUP):
+        fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(SAMPLES):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(REPS):
+            fn()
+        stop.record()
+        torch.cuda.synchronize()
+        samples.append(start.elapsed_time(stop) * 1e3 / REPS)
+    return samples
+
+
+def main(out_path: str) -> None:
+    results = {}
+    try:
+        import flashinfer
+
+        results["version"] = flashinfer.__version__
+    except Exception as exc:  # recorded, not hidden: the JSON says why there is no peer
+        results["import_error"] = repr(exc)
+        json.dump(results, open(out_path, "w"), indent=1)
+        return
+    workspace = torch.empty(256 * 1024 * 1024, dtype=torch.uint8, device="cuda")
+    for case in bench_cases.CASES:
+        data = bench_cases.make_case(case)
+        P = case.page_size
+        lens = data["seq_lens"]
+        pages_per_row = -(-lens // P)
+        indptr = torch.tensor(np.concatenate([[0], np.cumsum(pages_per_row)]), dtype=torch.int32, device="cuda")
+        indices = torch.tensor(np.concatenate([data["page_table"][b, : pages_per_row[b]] for b in range(case.batch)]), dtype=torch.int32, device="cuda")
+        last = torch.tensor((lens - 1) % P + 1, dtype=torch.int32, device="cuda")
+        k = torch.tensor(data["k_pages"], device="cuda").to(torch.bfloat16)
+        v = torch.tensor(data["v_pages"], device="cuda").to(torch.bfloat16)
+        q = torch.tensor(data["q"], device="cuda").to(torch.bfloat16)
+        for tc in (False, True):
+            key = f"{case.name}/tensor_cores={tc}"
+            try:
+                wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=tc)
+                wrapper.plan(indptr, indices, last, case.q_heads, case.kv_heads, case.head_dim, P,
+                             pos_encoding_mode="NONE", q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+                out = wrapper.run(q, (k, v))
+                torch.cuda.synchronize()
+                samples = time_call(lambda: wrapper.run(q, (k, v)))
+                results[key] = {"samples_us": samples, "out_head": out[:2, :2, :8].float().cpu().numpy().tolist(),
+                                "out_checksum": float(out.float().abs().sum())}
+            except Exception as exc:
+                results[key] = {"error": repr(exc)[:800], "traceback": traceback.format_exc()[-1500:]}
+            print(key, {k2: (np.median(v2) if k2 == "samples_us" else v2) for k2, v2 in results[key].items() if k2 in ("samples_us", "error")}, flush=True)
+        del k, v
+        torch.cuda.empty_cache()
+    json.dump(results, open(out_path, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,268 @@
+"""Public ops: `decode_attention`, `merge_states`, `gather_pages`, and their backends.
+
+Every op validates its arguments (ValueError naming the parameter and value) before any
+launch, then runs one backend:
+
+    "xla"                        the float32 reference (decodejax.reference); every platform
+    "pallas_triton"              the Pallas kernels lowered through Triton; NVIDIA GPUs
+    "pallas_triton_interpret"    the same kernels in Pallas interpret mode; runs on CPU
+
+`backend="auto"` is resolved by `_auto_backend`: the Pallas kernel on a GPU, the XLA
+reference elsewhere. The dispatch layer will replace that one function.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+
+from decodejax import addressing, planning, reference, split_state
+from decodejax.addressing import KVLayout
+from decodejax.masks import DecodeMask
+
+_BACKENDS = ("xla", "pallas_triton", "pallas_triton_interpret")
+_KV_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+# Deterministic (batch-invariant) mode: every request is cut into chunks of this many tokens,
+# whatever its neighbours, so its splits and their merge order depend on it alone.
+DETERMINISTIC_CHUNK = 1024
+H200_SMS = 132
+
+
+def backends() -> tuple[str, ...]:
+    """Names accepted by `backend=` (besides "auto")."""
+    return _BACKENDS
+
+
+def _auto_backend() -> str:
+    return "pallas_triton" if jax.default_backend() == "gpu" else "xla"
+
+
+def _resolve_backend(backend: str) -> str:
+    if backend == "auto":
+        return _auto_backend()
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend={backend!r} is not one of {('auto',) + _BACKENDS}")
+    return backend
+
+
+def _is_concrete(*xs) -> bool:
+    return not any(isinstance(x, jax.core.Tracer) for x in xs)
+
+
+def _num_sms() -> int:
+    device = jax.devices()[0]
+    return int(getattr(device, "core_count", 0) or H200_SMS) if device.platform == "gpu" else H200_SMS
+
+
+def _pool_geometry(k_pages, layout: KVLayout) -> tuple[int, int, int, int]:
+    """(num_pages, page_size, H_kv, D) of a pool in `layout`."""
+    if layout == KVLayout.PAGED_NHD:
+        num_pages, P, H_kv, D = k_pages.shape
+    elif layout == KVLayout.PAGED_HND:
+        num_pages, H_kv, P, D = k_pages.shape
+    else:
+        raise ValueError(f"layout={layout} is not a paged dense-table layout (PAGED_NHD or PAGED_HND)")
+    return num_pages, P, H_kv, D
+
+
+def _validate_decode_args(q, k_pages, v_pages, page_table, seq_lens, cache_batch_idx, layout):
+    if q.ndim != 3:
+        raise ValueError(f"q must be [B, H_q, D]; got shape {q.shape}")
+    if k_pages.ndim != 4:
+        raise ValueError(f"k_pages must be rank 4 ({layout.name}); got shape {k_pages.shape}")
+    if v_pages.shape != k_pages.shape:
+        raise ValueError(f"v_pages shape {v_pages.shape} differs from k_pages shape {k_pages.shape}")
+    if page_table.ndim != 2 or not jnp.issubdtype(page_table.dtype, jnp.integer):
+        raise ValueError(f"page_table must be an integer [B_c, W] array; got {page_table.dtype}{list(page_table.shape)}")
+    B, H_q, D = q.shape
+    if seq_lens.shape != (B,) or not jnp.issubdtype(seq_lens.dtype, jnp.integer):
+        raise ValueError(f"seq_lens must be an integer [B={B}] array; got {seq_lens.dtype}{list(seq_lens.shape)}")
+    num_pages, P, H_kv, D_k = _pool_geometry(k_pages, layout)
+    if D_k != D:
+        raise ValueError(f"head_dim of q ({D}) differs from k_pages ({D_k})")
+    if H_q % H_kv:
+        raise ValueError(f"H_q={H_q} is not a multiple of H_kv={H_kv}")
+    for name, x in (("q", q), ("k_pages", k_pages), ("v_pages", v_pages)):
+        if x.dtype not in _KV_DTYPES:
+            raise ValueError(f"{name}.dtype={x.dtype} is not one of bfloat16, float16, float32")
+    if not (q.dtype == k_pages.dtype == v_pages.dtype):
+        raise ValueError(f"dtype mismatch: q {q.dtype}, k_pages {k_pages.dtype}, v_pages {v_pages.dtype}")
+    if cache_batch_idx is not None and cache_batch_idx.shape != (B,):
+        raise ValueError(f"cache_batch_idx must be [B={B}]; got shape {cache_batch_idx.shape}")
+    if num_pages * P * H_kv * D > addressing.INT32_MAX:
+        raise ValueError(f"k_pages of {num_pages * P * H_kv * D} elements overflows int32 offsets")
+    # Values can only be checked outside jit; inside jit the caller's runtime validates them.
+    if _is_concrete(page_table, seq_lens, cache_batch_idx):
+        addressing.validate_page_table(
+            np.asarray(page_table),
+            np.asarray(seq_lens),
+            page_size=P,
+            num_pages=num_pages,
+            row_elements=H_kv * D,
+            cache_batch_idx=None if cache_batch_idx is None else np.asarray(cache_batch_idx),
+        )
+
+
+def decode_plan(
+    batch: int, kv_heads: int, max_len: int, block_k: int, *, num_splits: int | None, deterministic: bool
+) -> planning.SplitPlan:
+    """The split plan of one decode call (static: depends on shapes only, never on lengths)."""
+    if deterministic:
+        if num_splits is not None:
+            raise ValueError(f"num_splits={num_splits} cannot be combined with deterministic=True (fixed chunks)")
+        capacity = max(1, -(-max_len // DETERMINISTIC_CHUNK))
+        return planning.SplitPlan(1, capacity, policy="fixed_chunk", chunk=DETERMINISTIC_CHUNK)
+    if num_splits is None:
+        num_splits = planning.choose_num_splits(batch, kv_heads, -(-max_len // block_k), _num_sms(), max_splits=64)
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    return planning.SplitPlan(num_splits, num_splits, align=block_k)
+
+
+def decode_attention(
+    q: jax.Array,  # [B, H_q, D]
+    k_pages: jax.Array,  # PAGED_NHD [num_pages, P, H_kv, D] (default) or PAGED_HND [num_pages, H_kv, P, D]
+    v_pages: jax.Array,
+    page_table: jax.Array,  # i32[B_c, W]
+    seq_lens: jax.Array,  # i32[B]
+    *,
+    layout: KVLayout = KVLayout.PAGED_NHD,
+    cache_batch_idx: jax.Array | None = None,  # i32[B]
+    sm_scale: float | None = None,
+    soft_cap: float | None = None,
+    window_left: int | None = None,
+    sinks: int = 0,
+    return_lse: bool = False,
+    return_partial_states: bool = False,
+    deterministic: bool = False,
+    num_splits: int | None = None,
+    config=None,
+    backend: str = "auto",
+):
+    """Paged decode attention: one query row per request over its cached keys.
+
+    Request b reads cache row c = cache_batch_idx[b] (default b): token t lives at page
+    page_table[c, t // P], row t % P, and only t < seq_lens[b] is read. seq_lens[b] = 0 is a
+    padded row: o = 0, lse = -inf. Query head h_q reads K/V head h_q // (H_q / H_kv).
+
+    Args:
+      q: [B, H_q, D], bfloat16, float16 or float32 (the K/V dtype).
+      k_pages, v_pages: the paged pool in `layout`. PAGED_NHD is the default: its rows are the
+        token-major write slots page * P + t % P.
+      page_table: i32[B_c, W]; visible blocks must hold pages in [1, num_pages).
+      seq_lens: i32[B], keys per request (the query sits at position seq_lens[b] - 1).
+      layout: KVLayout.PAGED_NHD or KVLayout.PAGED_HND.
+      cache_batch_idx: optional i32[B] active row -> cache row.
+      sm_scale: score scale, default 1 / sqrt(D).
+      soft_cap: logits soft cap c (s -> c tanh(s / c)).
+      window_left: the query sees keys [q_pos - window_left, q_pos] (plus sinks).
+      sinks: the first `sinks` positions are always visible.
+      return_lse: also return lse f32[B, H_q] (natural log).
+      return_partial_states: also return the per-split LseState f32[B, H_q, S] (Pallas backends).
+      deterministic: fixed chunks of DETERMINISTIC_CHUNK tokens, so a request's output is bit
+        identical whatever its neighbours and the batch size.
+      num_splits: split count; default from planning.choose_num_splits.
+      config: pallas_kernels.decode_attention.DecodeConfig; default from its default_config.
+      backend: "auto" or one of `backends()`.
+
+    Returns:
+      o [B, H_q, D] in q.dtype; with return_lse, (o, lse); with return_partial_states, the
+      LseState of every split slot is appended.
+    """
+    _validate_decode_args(q, k_pages, v_pages, page_table, seq_lens, cache_batch_idx, layout)
+    backend = _resolve_backend(backend)
+    B, H_q, D = q.shape
+    num_pages, P, H_kv, _ = _pool_geometry(k_pages, layout)
+    sm_scale = float(D**-0.5 if sm_scale is None else sm_scale)
+    mask = DecodeMask(window_left, sinks)
+    if backend == "xla":
+        if return_partial_states:
+            raise ValueError("return_partial_states=True needs a Pallas backend, got backend='xla'")
+        o, lse = reference.paged_decode(
+            q, k_pages, v_pages, page_table, seq_lens, layout=layout, cache_batch_idx=cache_batch_idx,
+            sm_scale=sm_scale, soft_cap=soft_cap, mask=mask,
+        )
+        o = o.astype(q.dtype)
+        return (o, lse) if return_lse else o
+
+    from pallas_kernels import decode_attention as kernel
+    from pallas_kernels import merge_states as merge_kernel
+
+    config = kernel.default_config(D) if config is None else config
+    plan = decode_plan(B, H_kv, page_table.shape[1] * P, config.block_k, num_splits=num_splits, deterministic=deterministic)
+    start, end = plan.bounds(seq_lens.astype(jnp.int32))
+    interpret = backend == "pallas_triton_interpret"
+    rows = jnp.arange(B, dtype=jnp.int32) if cache_batch_idx is None else cache_batch_idx.astype(jnp.int32)
+    part_o, part_lse = kernel.paged_decode_partials(
+        q, k_pages, v_pages, page_table.astype(jnp.int32), seq_lens.astype(jnp.int32), rows, start, end,
+        layout=layout, sm_scale=sm_scale, soft_cap=None if soft_cap is None else float(soft_cap),
+        mask=mask, config=config, interpret=interpret,
+    )
+    if plan.capacity == 1:
+        o, lse = part_o[:, :, 0].astype(q.dtype), part_lse[:, :, 0]
+    else:
+        o, lse = merge_kernel.merge_states(part_o, part_lse, out_dtype=q.dtype, interpret=interpret)
+    out = (o, lse) if return_lse else (o,)
+    if return_partial_states:
+        out = out + (split_state.LseState(valid=part_lse > -jnp.inf, lse=part_lse, o=part_o),)
+    return out if len(out) > 1 else out[0]
+
+
+def merge_states(o: jax.Array, lse: jax.Array, *, backend: str = "auto") -> tuple[jax.Array, jax.Array]:
+    """Merges S partial states per row, EMPTY-aware (lse = -inf is EMPTY).
+
+    Args:
+      o: [..., S, D] partial outputs (normalized).
+      lse: [..., S] their natural-log LSE.
+      backend: "auto" or one of `backends()`.
+
+    Returns:
+      (o [..., D] in o.dtype, lse f32[...]); an all-EMPTY row gives (0, -inf).
+    """
+    if o.ndim < 2:
+        raise ValueError(f"o must be [..., S, D]; got shape {o.shape}")
+    if lse.shape != o.shape[:-1]:
+        raise ValueError(f"lse must be o.shape[:-1] = {o.shape[:-1]}; got {lse.shape}")
+    backend = _resolve_backend(backend)
+    if backend == "xla":
+        state = split_state.LseState(valid=lse > -jnp.inf, lse=lse.astype(jnp.float32), o=o.astype(jnp.float32))
+        merged = split_state.merge_lse_along(state, axis=-1)
+        return merged.o.astype(o.dtype), merged.lse
+    from pallas_kernels import merge_states as merge_kernel
+
+    return merge_kernel.merge_states(o, lse, out_dtype=o.dtype, interpret=backend == "pallas_triton_interpret")
+
+
+def gather_pages(
+    pages: jax.Array,
+    page_table: jax.Array,  # i32[B_c, W]
+    seq_lens: jax.Array,  # i32[B]
+    *,
+    layout: KVLayout = KVLayout.PAGED_NHD,
+    cache_batch_idx: jax.Array | None = None,
+    max_len: int | None = None,
+    backend: str = "auto",
+) -> jax.Array:
+    """The visible rows of a paged pool as [B, max_len, H_kv, D] (default max_len W * P), zeros past seq_len."""
+    num_pages, P, H_kv, D = _pool_geometry(pages, layout)
+    B = seq_lens.shape[0]
+    if seq_lens.ndim != 1 or page_table.ndim != 2:
+        raise ValueError(f"seq_lens must be [B] and page_table [B_c, W]; got {seq_lens.shape}, {page_table.shape}")
+    if _is_concrete(page_table, seq_lens, cache_batch_idx):
+        addressing.validate_page_table(
+            np.asarray(page_table), np.asarray(seq_lens), page_size=P, num_pages=num_pages, row_elements=H_kv * D,
+            cache_batch_idx=None if cache_batch_idx is None else np.asarray(cache_batch_idx),
+        )
+    max_len = page_table.shape[1] * P if max_len is None else max_len
+    backend = _resolve_backend(backend)
+    if backend == "xla":
+        return reference.gather_pages(pages, page_table, seq_lens, layout=layout, cache_batch_idx=cache_batch_idx, max_len=max_len)
+    from pallas_kernels import page_gather
+
+    rows = jnp.arange(B, dtype=jnp.int32) if cache_batch_idx is None else cache_batch_idx.astype(jnp.int32)
+    return page_gather.gather_pages(
+        pages, page_table.astype(jnp.int32), seq_lens.astype(jnp.int32), rows,
+        layout=layout, max_len=max_len, interpret=backend == "pallas_triton_interpret",
+    )

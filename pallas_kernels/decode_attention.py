@@ -1,0 +1,203 @@
+"""Paged split-KV decode attention (Pallas, Triton lowering): the producer kernel.
+
+One program owns (request b, K/V head h, split slot s). It loads the G = H_q / H_kv query
+rows of that K/V head once and streams the split's key range [start, end) in blocks of
+`block_k` tokens; every query head of the group shares each K/V load (GQA). Each token's
+row is found through the page table, so any page size works:
+
+    token t of request b:  page = table[c, t // P], r = t % P,  c = cache_batch_idx[b]
+    PAGED_NHD pool [num_pages, P, H_kv, D] -> flat row (page P + r) H_kv + h
+    PAGED_HND pool [num_pages, H_kv, P, D] -> flat row (page H_kv + h) P + r
+
+Loads of tokens outside [start, end) or invisible to the query (length, window, sinks) are
+masked, so they touch no memory: page tails, unused pages and the null page are never read.
+The program writes its split's normalized partial state (o, lse) in float32; an EMPTY split
+writes (0, -inf). `merge_states` reduces the slots. Its pure-jnp twin is
+`decodejax.reference.paged_decode`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from decodejax.addressing import KVLayout
+from decodejax.masks import DecodeMask, visible
+
+LOG2_E = 1.4426950408889634
+MIN_DOT_ROWS = 16  # Triton dots need >= 16 rows: the G query rows are padded to this.
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """Static tiling of the producer kernel.
+
+    Attributes:
+      block_k: tokens per inner step (a power of two).
+      num_warps: Triton warps per program.
+      num_stages: software-pipelining depth of the K/V loads.
+    """
+
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def default_config(head_dim: int) -> DecodeConfig:
+    """Heuristic tiling: keep one K plus one V tile per stage near 32 KiB of shared memory."""
+    return DecodeConfig(block_k=max(16, min(128, 8192 // head_dim)), num_warps=4, num_stages=3)
+
+
+def _decode_kernel(
+    q_ref,  # [B, H_q, D]
+    k_ref,  # [num_pages * P * H_kv, D]  flat rows of the pool
+    v_ref,  # [num_pages * P * H_kv, D]
+    table_ref,  # i32[B_c, W]
+    seq_lens_ref,  # i32[B]
+    cache_idx_ref,  # i32[B]
+    start_ref,  # i32[B, S]
+    end_ref,  # i32[B, S]
+    o_ref,  # f32[B, H_kv, 16, S, D]  group rows padded to 16
+    lse_ref,  # f32[B, H_kv, 16, S]
+    *,
+    group: int,
+    num_kv_heads: int,
+    page_size: int,
+    layout: KVLayout,
+    block_k: int,
+    sm_scale: float,
+    soft_cap: float | None,
+    mask: DecodeMask,
+):
+    b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    d = q_ref.shape[-1]
+    width = table_ref.shape[-1]
+    seq_len = seq_lens_ref[b]
+    c = cache_idx_ref[b]
+    start, end = start_ref[b, s], end_ref[b, s]
+    q_pos = seq_len - 1
+
+    # Refs are indexed with arrays only (no slices), the form Pallas interpret mode can gather.
+    lanes = jnp.arange(d)[None, :]
+    g = jnp.arange(MIN_DOT_ROWS)
+    g_live = g < group
+    q_rows = (h * group + jnp.minimum(g, group - 1))[:, None]
+    q = plgpu.load(q_ref.at[b, q_rows, lanes], mask=g_live[:, None], other=0.0)  # [16, D]
+
+    def body(i, carry):
+        m, l, acc = carry  # [16] base-2 max, [16] sum, [16, D]
+        t = (start // block_k + i) * block_k + jnp.arange(block_k)
+        live = (t >= start) & (t < end) & visible(q_pos, t, seq_len, mask)
+        block = jnp.minimum(t // page_size, width - 1)
+        page = plgpu.load(table_ref.at[c, block], mask=live, other=0)
+        r = t % page_size
+        if layout == KVLayout.PAGED_NHD:
+            row = (page * page_size + r) * num_kv_heads + h
+        else:
+            row = (page * num_kv_heads + h) * page_size + r
+        k = plgpu.load(k_ref.at[row[:, None], lanes], mask=live[:, None], other=0.0)  # [block_k, D]
+        v = plgpu.load(v_ref.at[row[:, None], lanes], mask=live[:, None], other=0.0)
+        scores = pl.dot(q, k, trans_b=True) * sm_scale  # [16, block_k] f32
+        if soft_cap is not None:
+            scores = soft_cap * jnp.tanh(scores / soft_cap)
+        scores = jnp.where(live[None, :], scores * LOG2_E, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(scores, axis=1))
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # EMPTY so far: no -inf - -inf
+        p = jnp.exp2(scores - m_safe[:, None])
+        scale = jnp.exp2(m - m_safe)
+        acc = acc * scale[:, None] + pl.dot(p.astype(v.dtype), v)
+        return m_new, l * scale + jnp.sum(p, axis=1), acc
+
+    init = (
+        jnp.full((MIN_DOT_ROWS,), -jnp.inf, jnp.float32),
+        jnp.zeros((MIN_DOT_ROWS,), jnp.float32),
+        jnp.zeros((MIN_DOT_ROWS, d), jnp.float32),
+    )
+    steps = pl.cdiv(end - (start // block_k) * block_k, block_k)
+    steps = jnp.where(end > start, steps, 0)
+    m, l, acc = jax.lax.fori_loop(0, steps, body, init)
+    valid = l > 0
+    safe_l = jnp.where(valid, l, 1.0)
+    o = jnp.where(valid[:, None], acc / safe_l[:, None], 0.0)
+    lse = jnp.where(valid, (m + jnp.log2(safe_l)) / LOG2_E, -jnp.inf)
+    # Padded rows have their own (never read) slots, so no two lanes of a store alias.
+    plgpu.store(o_ref.at[b, h, g[:, None], s, lanes], o, mask=g_live[:, None])
+    plgpu.store(lse_ref.at[b, h, g, s], lse, mask=g_live)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("layout", "sm_scale", "soft_cap", "mask", "config", "interpret")
+)
+def paged_decode_partials(
+    q: jax.Array,  # [B, H_q, D]
+    k_pages: jax.Array,  # PAGED_NHD [num_pages, P, H_kv, D] or PAGED_HND [num_pages, H_kv, P, D]
+    v_pages: jax.Array,
+    page_table: jax.Array,  # i32[B_c, W]
+    seq_lens: jax.Array,  # i32[B]
+    cache_batch_idx: jax.Array,  # i32[B]
+    split_start: jax.Array,  # i32[B, S]
+    split_end: jax.Array,  # i32[B, S]
+    *,
+    layout: KVLayout,
+    sm_scale: float,
+    soft_cap: float | None,
+    mask: DecodeMask,
+    config: DecodeConfig,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """Partial states of every split: (o f32[B, H_q, S, D], lse f32[B, H_q, S]).
+
+    Shapes and dtypes are checked by the public op `decodejax.decode_attention`; this wrapper
+    only checks what the kernel itself assumes.
+    """
+    B, H_q, D = q.shape
+    if layout == KVLayout.PAGED_NHD:
+        num_pages, P, H_kv, _ = k_pages.shape
+    elif layout == KVLayout.PAGED_HND:
+        num_pages, H_kv, P, _ = k_pages.shape
+    else:
+        raise ValueError(f"layout must be PAGED_NHD or PAGED_HND, got {layout}")
+    if D & (D - 1) or config.block_k & (config.block_k - 1):
+        raise ValueError(f"head_dim={D} and block_k={config.block_k} must be powers of two")
+    group = H_q // H_kv
+    if group > MIN_DOT_ROWS:
+        raise ValueError(f"group size H_q / H_kv = {group} exceeds {MIN_DOT_ROWS}")
+    S = split_start.shape[1]
+    kernel = functools.partial(
+        _decode_kernel,
+        group=group,
+        num_kv_heads=H_kv,
+        page_size=P,
+        layout=layout,
+        block_k=config.block_k,
+        sm_scale=sm_scale,
+        soft_cap=soft_cap,
+        mask=mask,
+    )
+    rows = num_pages * P * H_kv
+    o, lse = pl.pallas_call(
+        kernel,
+        grid=(B, H_kv, S),
+        out_shape=(
+            jax.ShapeDtypeStruct((B, H_kv, MIN_DOT_ROWS, S, D), jnp.float32),
+            jax.ShapeDtypeStruct((B, H_kv, MIN_DOT_ROWS, S), jnp.float32),
+        ),
+        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+        interpret=interpret,
+        name="decodejax_paged_decode",
+    )(
+        q,
+        k_pages.reshape(rows, D),
+        v_pages.reshape(rows, D),
+        page_table,
+        seq_lens,
+        cache_batch_idx,
+        split_start,
+        split_end,
+    )
+    return o[:, :, :group].reshape(B, H_q, S, D), lse[:, :, :group].reshape(B, H_q, S)

@@ -1,0 +1,93 @@
+"""Merge S partial (o, lse) states per row, EMPTY-aware: the reducer of split-KV decode.
+
+One program owns one output row (request, q head) and folds its S slots in chunks with an
+online log-sum-exp. A slot with lse = -inf is EMPTY and weighs exactly zero, so rows whose
+every slot is EMPTY give o = 0 and lse = -inf, and EMPTY slots never change a result bit.
+Its pure-jnp twin is `decodejax.split_state.merge_lse_along`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+LOG2_E = 1.4426950408889634
+
+
+@dataclasses.dataclass(frozen=True)
+class MergeConfig:
+    """block_s: slots folded per step; num_warps: Triton warps per program."""
+
+    block_s: int = 16
+    num_warps: int = 4
+
+
+def _merge_kernel(o_ref, lse_ref, out_o_ref, out_lse_ref, *, num_slots: int, block_s: int):
+    # o_ref:       [N, S, D] f32   partial outputs
+    # lse_ref:     [N, S]    f32   natural-log LSE, -inf for EMPTY
+    # out_o_ref:   [N, D]          merged output (row n)
+    # out_lse_ref: [N]       f32   merged LSE
+    n = pl.program_id(0)
+    d = o_ref.shape[-1]
+
+    def body(i, carry):
+        m, l, acc = carry
+        slots = i * block_s + jnp.arange(block_s)
+        live = slots < num_slots
+        slots = jnp.minimum(slots, num_slots - 1)
+        lse = plgpu.load(lse_ref.at[n, slots], mask=live, other=-jnp.inf) * LOG2_E
+        # An EMPTY slot's output is never read: it may hold anything, NaN included.
+        filled = lse > -jnp.inf
+        o = plgpu.load(o_ref.at[n, slots[:, None], jnp.arange(d)[None, :]], mask=filled[:, None], other=0.0)
+        m_new = jnp.maximum(m, jnp.max(lse))
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        w = jnp.exp2(lse - m_safe)  # exactly 0 for EMPTY slots
+        scale = jnp.exp2(m - m_safe)
+        return m_new, l * scale + jnp.sum(w), acc * scale + jnp.sum(w[:, None] * o, axis=0)
+
+    init = (jnp.float32(-jnp.inf), jnp.float32(0.0), jnp.zeros((d,), jnp.float32))
+    m, l, acc = jax.lax.fori_loop(0, pl.cdiv(num_slots, block_s), body, init)
+    valid = l > 0
+    out_o_ref[n, :] = jnp.where(valid, acc / jnp.where(valid, l, 1.0), 0.0).astype(out_o_ref.dtype)
+    out_lse_ref[n] = jnp.where(valid, (m + jnp.log2(jnp.where(valid, l, 1.0))) / LOG2_E, -jnp.inf)
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret"))
+def merge_states(
+    o: jax.Array,  # [..., S, D]
+    lse: jax.Array,  # [..., S] natural log, -inf for EMPTY
+    *,
+    out_dtype=None,
+    config: MergeConfig = MergeConfig(),
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """Merges S partial states per row: (o [..., D] in out_dtype, lse [...] f32).
+
+    Equivalent to this jnp code (decodejax.split_state.merge_lse_along):
+      w = exp(lse - max(lse)); o = sum(w * o) / sum(w); lse = max + log(sum(w))
+    with EMPTY slots (lse = -inf) weighing zero and all-EMPTY rows giving (0, -inf).
+    """
+    if o.ndim < 2 or lse.shape != o.shape[:-1]:
+        raise ValueError(f"o must be [..., S, D] and lse [..., S]; got o {o.shape}, lse {lse.shape}")
+    *lead, S, D = o.shape
+    if D & (D - 1):
+        raise ValueError(f"D={D} must be a power of two for the Pallas merge")
+    out_dtype = o.dtype if out_dtype is None else out_dtype
+    N = 1
+    for x in lead:
+        N *= x
+    kernel = functools.partial(_merge_kernel, num_slots=S, block_s=config.block_s)
+    out_o, out_lse = pl.pallas_call(
+        kernel,
+        grid=(N,),
+        out_shape=(jax.ShapeDtypeStruct((N, D), out_dtype), jax.ShapeDtypeStruct((N,), jnp.float32)),
+        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=1),
+        interpret=interpret,
+        name="decodejax_merge_states",
+    )(o.reshape(N, S, D).astype(jnp.float32), lse.reshape(N, S).astype(jnp.float32))
+    return out_o.reshape(*lead, D), out_lse.reshape(lead)

@@ -1,0 +1,86 @@
+"""Random paged decode problems that are hard to pass (STYLE 9), shared by CPU and GPU tests.
+
+Lengths mix the edges {0, 1, P-1, P, P+1, split boundary +-1, max} with random draws; page
+tables are random permutations; cache rows are remapped; every slot that no visible token
+occupies (page tails, unused pages, the null page 0) holds `poison`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    batch: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    page_size: int
+    width: int  # pages per table row
+    remap: bool = False
+
+    @property
+    def max_len(self):
+        return self.width * self.page_size
+
+    def __str__(self):
+        return f"B={self.batch}_Hq={self.q_heads}_Hkv={self.kv_heads}_D={self.head_dim}_P={self.page_size}_W={self.width}"
+
+
+def edge_lengths(spec: Spec, num_splits: int = 4) -> list[int]:
+    P, T = spec.page_size, spec.max_len
+    split = -(-T // num_splits)
+    edges = [0, 1, P - 1, P, P + 1, split - 1, split, split + 1, T - 1, T]
+    return sorted({min(max(x, 0), T) for x in edges})
+
+
+def make_problem(spec: Spec, rng: np.random.Generator, poison=np.nan, lengths=None):
+    """Returns numpy float32 q [B, H_q, D], pools [num_pages, P, H_kv, D] (NHD), table, lens, cache_rows."""
+    B, P = spec.batch, spec.page_size
+    if lengths is None:
+        edges = edge_lengths(spec)
+        lengths = np.where(rng.random(B) < 0.5, rng.choice(edges, B), rng.integers(0, spec.max_len + 1, B))
+    lens = np.asarray(lengths, np.int32)
+    pages_per_row = -(-lens // P)
+    num_pages = int(pages_per_row.sum()) + 1 + 3  # + null page + 3 unused pages
+    perm = rng.permutation(np.arange(1, num_pages)).astype(np.int32)
+    cache_rows = rng.permutation(B).astype(np.int32) if spec.remap else np.arange(B, dtype=np.int32)
+    table = np.zeros((B, spec.width), np.int32)  # unused columns point at the null page
+    k = np.full((num_pages, P, spec.kv_heads, spec.head_dim), poison, np.float32)
+    v = np.full_like(k, poison)
+    n = 0
+    for b in range(B):
+        c = cache_rows[b]
+        for j in range(pages_per_row[b]):
+            page = perm[n]
+            n += 1
+            table[c, j] = page
+            rows = min(P, lens[b] - j * P)
+            k[page, :rows] = rng.normal(size=(rows, spec.kv_heads, spec.head_dim))
+            v[page, :rows] = rng.normal(size=(rows, spec.kv_heads, spec.head_dim))
+    q = rng.normal(size=(B, spec.q_heads, spec.head_dim)).astype(np.float32)
+    return {"q": q, "k_pages": k, "v_pages": v, "page_table": table, "seq_lens": lens, "cache_batch_idx": cache_rows}
+
+
+def with_poison(problem, poison):
+    """The same problem with every invisible slot holding `poison` instead."""
+    out = dict(problem)
+    for name in ("k_pages", "v_pages"):
+        x = problem[name].copy()
+        x[~visible_slots(problem)] = poison
+        out[name] = x
+    return out
+
+
+def visible_slots(problem) -> np.ndarray:
+    """bool[num_pages, P]: slots some request can see."""
+    k, table, lens, rows = problem["k_pages"], problem["page_table"], problem["seq_lens"], problem["cache_batch_idx"]
+    P = k.shape[1]
+    seen = np.zeros(k.shape[:2], bool)
+    for b, n in enumerate(lens):
+        for t in range(n):
+            seen[table[rows[b], t // P], t % P] = True
+    return seen

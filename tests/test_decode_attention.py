@@ -1,0 +1,224 @@
+"""Paged split-KV decode attention against the oracle (S1-S3, P1, A1-A4 inside the kernel).
+
+`DecodeAttentionCases` is the shared test body; this module runs it in Pallas interpret mode
+on CPU, `test_decode_attention_gpu.py` runs it (and a 10,000-row sweep) on the GPU.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import decodejax
+from benchmarks import cases as bench_cases
+from conftest import TOLERANCES
+from decodejax import KVLayout, reference
+from decodejax.masks import DecodeMask
+from paged_problems import Spec, make_problem, with_poison
+
+LSE_ATOL = 3e-3
+DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def to_device(problem, dtype, layout=KVLayout.PAGED_NHD):
+    k, v = problem["k_pages"], problem["v_pages"]
+    if layout == KVLayout.PAGED_HND:
+        k, v = k.swapaxes(1, 2), v.swapaxes(1, 2)
+    return dict(
+        q=jnp.asarray(problem["q"], dtype),
+        k_pages=jnp.asarray(k, dtype),
+        v_pages=jnp.asarray(v, dtype),
+        page_table=jnp.asarray(problem["page_table"]),
+        seq_lens=jnp.asarray(problem["seq_lens"]),
+        cache_batch_idx=jnp.asarray(problem["cache_batch_idx"]),
+    )
+
+
+def oracle(args, layout, **options):
+    """Reference in float32 on the same (rounded) inputs."""
+    a = {k: (v.astype(jnp.float32) if v.dtype in (jnp.bfloat16, jnp.float16) else v) for k, v in args.items()}
+    mask = DecodeMask(options.get("window_left"), options.get("sinks", 0))
+    return reference.paged_decode(
+        a["q"], a["k_pages"], a["v_pages"], a["page_table"], a["seq_lens"], layout=layout,
+        cache_batch_idx=a["cache_batch_idx"], sm_scale=options.get("sm_scale"), soft_cap=options.get("soft_cap"), mask=mask,
+    )
+
+
+def assert_matches_oracle(o, lse, ref_o, ref_lse, dtype_name, lens):
+    atol, rtol = TOLERANCES[dtype_name]
+    o, lse = np.asarray(o, np.float32), np.asarray(lse)
+    ref_o, ref_lse = np.asarray(ref_o), np.asarray(ref_lse)
+    assert not np.any(np.isnan(o)) and not np.any(np.isnan(lse))
+    bad = np.abs(o - ref_o) > atol + rtol * np.abs(ref_o)
+    assert not bad.any(), f"{int(bad.any(axis=(1, 2)).sum())} rows out of tolerance; max err {np.abs(o - ref_o).max()}"
+    live = np.asarray(lens) > 0
+    np.testing.assert_allclose(lse[live], ref_lse[live], atol=LSE_ATOL, rtol=0)
+    # S1: padded rows give o = 0 exactly and lse = -inf.
+    assert np.all(o[~live] == 0) and np.all(lse[~live] == -np.inf)
+
+
+SPECS = [
+    Spec(batch=6, q_heads=8, kv_heads=2, head_dim=64, page_size=16, width=6, remap=True),
+    Spec(batch=4, q_heads=4, kv_heads=4, head_dim=64, page_size=1, width=40),
+    Spec(batch=3, q_heads=8, kv_heads=1, head_dim=64, page_size=128, width=2, remap=True),
+    Spec(batch=4, q_heads=6, kv_heads=2, head_dim=128, page_size=7, width=5),
+]
+OPTIONS = [
+    {},
+    {"soft_cap": 5.0, "window_left": 20, "sinks": 3},
+    {"sm_scale": 0.3, "num_splits": 8},  # more splits than pages for the small tables
+]
+
+
+class DecodeAttentionCases:
+    """The shared test body; subclasses set `backend`."""
+
+    backend: str
+
+    def run(self, args, layout=KVLayout.PAGED_NHD, **options):
+        return decodejax.decode_attention(**args, layout=layout, return_lse=True, backend=self.backend, **options)
+
+    @pytest.mark.parametrize("spec", SPECS, ids=str)
+    @pytest.mark.parametrize("dtype_name", list(DTYPES))
+    def test_matches_oracle(self, spec, dtype_name):
+        rng = np.random.default_rng(hash((str(spec), dtype_name)) % 2**32)
+        problem = make_problem(spec, rng)
+        args = to_device(problem, DTYPES[dtype_name])
+        options = OPTIONS[SPECS.index(spec) % len(OPTIONS)]
+        kernel_options = {k: v for k, v in options.items()}
+        o, lse = self.run(args, **kernel_options)
+        ref_o, ref_lse = oracle(args, KVLayout.PAGED_NHD, **options)
+        assert_matches_oracle(o, lse, ref_o, ref_lse, dtype_name, problem["seq_lens"])
+
+    def test_hnd_layout_matches_nhd(self):
+        spec = SPECS[0]
+        problem = make_problem(spec, np.random.default_rng(5))
+        o_nhd, lse_nhd = self.run(to_device(problem, jnp.bfloat16))
+        o_hnd, lse_hnd = self.run(to_device(problem, jnp.bfloat16, KVLayout.PAGED_HND), layout=KVLayout.PAGED_HND)
+        np.testing.assert_array_equal(np.asarray(o_nhd, np.float32), np.asarray(o_hnd, np.float32))
+        np.testing.assert_array_equal(np.asarray(lse_nhd), np.asarray(lse_hnd))
+
+    @pytest.mark.parametrize("poison", [np.inf, -np.inf, 65504.0])
+    def test_A2_poison_leaves_output_bit_identical(self, poison):
+        spec = SPECS[0]
+        problem = make_problem(spec, np.random.default_rng(6), poison=0.0)
+        clean = self.run(to_device(problem, jnp.float16))
+        dirty = self.run(to_device(with_poison(problem, poison), jnp.float16))
+        nan = self.run(to_device(with_poison(problem, np.nan), jnp.float16))
+        for got in (dirty, nan):
+            for a, b in zip(clean, got):
+                np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+        assert not np.any(np.isnan(np.asarray(nan[0], np.float32)))
+
+    def test_S2_rerun_is_bitwise_identical(self):
+        problem = make_problem(SPECS[0], np.random.default_rng(7))
+        args = to_device(problem, jnp.bfloat16)
+        first, second = self.run(args, num_splits=3), self.run(args, num_splits=3)
+        for a, b in zip(first, second):
+            np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+    def test_S2_deterministic_mode_is_batch_invariant(self):
+        spec = Spec(batch=5, q_heads=8, kv_heads=2, head_dim=64, page_size=16, width=160)
+        rng = np.random.default_rng(8)
+        problem = make_problem(spec, rng, lengths=[2500, 7, 0, 1024, 1025])
+        args = to_device(problem, jnp.bfloat16)
+        o_all, lse_all = self.run(args, deterministic=True)
+        for b in (0, 3, 4):
+            alone = {k: v[b : b + 1] if k in ("q", "seq_lens") else v for k, v in args.items()}
+            alone["cache_batch_idx"] = args["cache_batch_idx"][b : b + 1]
+            o_b, lse_b = self.run(alone, deterministic=True)
+            np.testing.assert_array_equal(np.asarray(o_b[0], np.float32), np.asarray(o_all[b], np.float32))
+            np.testing.assert_array_equal(np.asarray(lse_b[0]), np.asarray(lse_all[b]))
+
+    def test_S3_partial_states_merge_to_the_output(self):
+        problem = make_problem(SPECS[0], np.random.default_rng(9))
+        args = to_device(problem, jnp.bfloat16)
+        o, lse, parts = decodejax.decode_attention(**args, return_lse=True, return_partial_states=True, num_splits=4, backend=self.backend)
+        assert parts.o.shape[:3] == (6, 8, 4)
+        merged = decodejax.split_state.merge_lse_along(parts, axis=2)
+        np.testing.assert_allclose(np.asarray(merged.o), np.asarray(o, np.float32), atol=2e-2)
+        np.testing.assert_allclose(np.asarray(merged.lse), np.asarray(lse), atol=1e-5)
+
+
+class TestDecodeAttentionInterpret(DecodeAttentionCases):
+    backend = "pallas_triton_interpret"
+
+
+@pytest.mark.parametrize("case", bench_cases.SMALL_CASES, ids=lambda c: c.name)
+def test_benchmark_small_cases_match_reference(case):
+    """STYLE 10: the benchmark's own case builder, small, checked for correctness in CI."""
+    data = bench_cases.make_case(case)
+    args = [jnp.asarray(data[k], jnp.bfloat16) for k in ("q", "k_pages", "v_pages")]
+    table, lens = jnp.asarray(data["page_table"]), jnp.asarray(data["seq_lens"])
+    o = decodejax.decode_attention(*args, table, lens, backend="pallas_triton_interpret")
+    ref_o, _ = reference.paged_decode(*(a.astype(jnp.float32) for a in args), table, lens)
+    np.testing.assert_allclose(np.asarray(o, np.float32), np.asarray(ref_o), atol=2e-2, rtol=2e-2)
+
+
+BAD_INPUTS = [
+    ("H_q=6 is not a multiple of H_kv=4", dict(q=(2, 6, 64), k=(9, 16, 4, 64))),
+    ("dtype mismatch", dict(q_dtype=jnp.float16)),
+    ("q must be", dict(q=(2, 8))),
+    ("k_pages must be rank 4", dict(k=(9, 16, 64))),
+    ("page id 9 of row b=0 is outside the pool of 9 pages", dict(table=[[9, 0, 0], [1, 0, 0]])),
+    (r"seq_lens\[1\]=49 exceeds the page table width 3", dict(lens=[3, 49])),
+    ("backend='cuda' is not one of", dict(backend="cuda")),
+]
+
+
+@pytest.mark.parametrize("match,change", BAD_INPUTS, ids=[m[:24] for m, _ in BAD_INPUTS])
+def test_bad_input_raises_value_error_naming_the_value(match, change):
+    q = jnp.zeros(change.get("q", (2, 8, 64)), change.get("q_dtype", jnp.bfloat16))
+    k = jnp.zeros(change.get("k", (9, 16, 2, 64)), jnp.bfloat16)
+    table = jnp.asarray(change.get("table", [[1, 2, 0], [3, 0, 0]]), jnp.int32)
+    lens = jnp.asarray(change.get("lens", [20, 5]), jnp.int32)
+    with pytest.raises(ValueError, match=match):
+        decodejax.decode_attention(q, k, k, table, lens, backend=change.get("backend", "pallas_triton_interpret"))
+
+
+def test_merge_states_kernel_matches_algebra_and_ignores_empty_slots():
+    rng = np.random.default_rng(10)
+    o = rng.normal(size=(3, 5, 20, 64)).astype(np.float32)
+    lse = (rng.normal(size=(3, 5, 20)) * 5).astype(np.float32)
+    lse[0, 0] = -np.inf  # an all-EMPTY row
+    lse[1, :, 7:] = -np.inf
+    o[1, :, 7:] = np.nan  # EMPTY slots' outputs are never read as data
+    got_o, got_lse = decodejax.merge_states(jnp.asarray(o), jnp.asarray(lse), backend="pallas_triton_interpret")
+    want_o, want_lse = decodejax.merge_states(jnp.asarray(o), jnp.asarray(lse), backend="xla")
+    np.testing.assert_allclose(np.asarray(got_o), np.asarray(want_o), atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(got_lse), np.asarray(want_lse), atol=1e-5, rtol=1e-5)
+    assert np.all(np.asarray(got_o)[0, 0] == 0) and np.asarray(got_lse)[0, 0] == -np.inf
+    # Appending EMPTY slots changes no bit.
+    more_o = np.concatenate([o, np.zeros((3, 5, 4, 64), np.float32)], axis=2)
+    more_lse = np.concatenate([lse, np.full((3, 5, 4), -np.inf, np.float32)], axis=2)
+    again = decodejax.merge_states(jnp.asarray(more_o), jnp.asarray(more_lse), backend="pallas_triton_interpret")
+    np.testing.assert_array_equal(np.asarray(again[0]), np.asarray(got_o))
+
+
+@pytest.mark.parametrize("layout", [KVLayout.PAGED_NHD, KVLayout.PAGED_HND])
+def test_gather_pages_kernel_matches_reference(layout):
+    problem = make_problem(SPECS[0], np.random.default_rng(11))
+    args = to_device(problem, jnp.bfloat16, layout)
+    common = dict(layout=layout, cache_batch_idx=args["cache_batch_idx"])
+    got = decodejax.gather_pages(args["k_pages"], args["page_table"], args["seq_lens"], backend="pallas_triton_interpret", **common)
+    want = decodejax.gather_pages(args["k_pages"], args["page_table"], args["seq_lens"], backend="xla", **common)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    assert not np.any(np.isnan(np.asarray(got, np.float32)))
+
+
+def test_lowered_decode_step_contains_the_named_kernels():
+    """A silent fallback to XLA would drop these names from the lowered GPU module."""
+    q = jax.ShapeDtypeStruct((4, 32, 128), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((64, 16, 8, 128), jnp.bfloat16)
+    table = jax.ShapeDtypeStruct((4, 16), jnp.int32)
+    lens = jax.ShapeDtypeStruct((4,), jnp.int32)
+    step = jax.jit(lambda q, k, v, t, l: decodejax.decode_attention(q, k, v, t, l, backend="pallas_triton", num_splits=4))
+    text = step.trace(q, k, k, table, lens).lower(lowering_platforms=("cuda",)).as_text()
+    assert "decodejax_paged_decode" in text and "decodejax_merge_states" in text
+    gather = jax.jit(lambda p, t, l: decodejax.gather_pages(p, t, l, backend="pallas_triton"))
+    assert "decodejax_gather_pages" in gather.trace(k, table, lens).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_backends_and_auto_choice_on_cpu():
+    assert set(decodejax.backends()) == {"xla", "pallas_triton", "pallas_triton_interpret"}
+    assert decodejax._ops._auto_backend() == ("pallas_triton" if jax.default_backend() == "gpu" else "xla")

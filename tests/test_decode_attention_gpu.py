@@ -1,0 +1,65 @@
+"""The decode kernel on the GPU (`pytest -m gpu`): the shared test body plus a >= 10,000-row sweep per dtype."""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import decodejax
+from decodejax import KVLayout
+from paged_problems import Spec, make_problem
+from test_decode_attention import DTYPES, LSE_ATOL, TOLERANCES, DecodeAttentionCases, oracle, to_device
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs an NVIDIA GPU"),
+]
+
+
+class TestDecodeAttentionGPU(DecodeAttentionCases):
+    backend = "pallas_triton"
+
+
+# A handful of compiled shapes; every call draws new lengths, tables and data (a case is a row).
+SWEEP = [
+    (Spec(256, 32, 8, 128, 16, 64, remap=True), {}),
+    (Spec(256, 32, 32, 64, 1, 700), {"window_left": 300, "sinks": 4}),
+    (Spec(256, 16, 2, 256, 128, 8), {"soft_cap": 30.0}),
+    (Spec(256, 24, 4, 128, 5, 200, remap=True), {"num_splits": 7}),
+    (Spec(256, 8, 8, 128, 32, 40), {"deterministic": True}),
+    (Spec(256, 64, 8, 64, 64, 20), {"sm_scale": 0.05, "num_splits": 64}),
+]
+DRAWS = 7  # 6 shapes x 7 draws x 256 rows = 10,752 rows per dtype
+
+
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+def test_ten_thousand_rows_per_dtype(dtype_name):
+    atol, rtol = TOLERANCES[dtype_name]
+    rows = out_of_tol = lse_out = nans = 0
+    worst = 0.0
+    for i, (spec, options) in enumerate(SWEEP):
+        step = jax.jit(lambda a: decodejax.decode_attention(**a, return_lse=True, backend="pallas_triton", **options))
+        ref = jax.jit(lambda a: oracle(a, KVLayout.PAGED_NHD, **{k: v for k, v in options.items() if k in ("sm_scale", "soft_cap", "window_left", "sinks")}))
+        for draw in range(DRAWS):
+            problem = make_problem(spec, np.random.default_rng(1000 * i + draw))
+            args = to_device(problem, DTYPES[dtype_name])
+            o, lse = (np.asarray(x, np.float32) for x in step(args))
+            ref_o, ref_lse = (np.asarray(x) for x in ref(args))
+            live = problem["seq_lens"] > 0
+            err = np.abs(o - ref_o) - (atol + rtol * np.abs(ref_o))
+            out_of_tol += int((err > 0).any(axis=(1, 2)).sum())
+            lse_err = np.where(live[:, None], np.abs(lse - ref_lse), 0)
+            lse_out += int((lse_err > LSE_ATOL).any(axis=1).sum())
+            nans += int(np.isnan(o).any(axis=(1, 2)).sum())
+            out_of_tol += int((o[~live] != 0).any(axis=(1, 2)).sum() + (lse[~live] != -np.inf).any(axis=1).sum())
+            worst = max(worst, float(np.abs(o - ref_o).max()))
+            rows += spec.batch
+    summary = {"dtype": dtype_name, "rows": rows, "out_of_tolerance": out_of_tol, "lse_out_of_tolerance": lse_out, "rows_with_nan": nans, "max_abs_err": worst}
+    print(json.dumps(summary))
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], f"gpu_sweep_{dtype_name}.json"), "w") as f:
+            json.dump(summary, f)
+    assert rows >= 10_000 and out_of_tol == 0 and lse_out == 0 and nans == 0, summary
