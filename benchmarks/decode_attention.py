@@ -48,7 +48,7 @@ def summarize(samples, nbytes):
     return {"samples_us": samples, "median_us": med, "min_us": lo, "tbps_median": nbytes / med / 1e6, "tbps_min_time": nbytes / lo / 1e6}
 
 
-def run_case(case, results, sweep: bool):
+def run_case(case, results, sweep: bool, tune: bool = False):
     import jax
     import jax.numpy as jnp
     from jax.experimental.pallas.ops.gpu import paged_attention as builtin
@@ -90,14 +90,24 @@ def run_case(case, results, sweep: bool):
         for s in SPLIT_SWEEP:
             record(f"decodejax/nhd/splits={s}", ours(num_splits=s), q, k, v, table, lens)
     record("decodejax/nhd/deterministic", ours(deterministic=True), q, k, v, table, lens)
+    if tune:
+        from pallas_kernels.decode_attention import DecodeConfig
+
+        for bk in (32, 64, 128):
+            for warps in (4, 8):
+                for stages in (2, 3, 4):
+                    cfg = DecodeConfig(block_k=bk, num_warps=warps, num_stages=stages)
+                    record(f"decodejax/nhd/tune/bk={bk},w={warps},st={stages}", ours(config=cfg), q, k, v, table, lens)
 
     # JAX's builtin Pallas paged attention: pool [H_kv, num_pages, P, D]; best of its k_splits.
+    # It applies no score scale, so it gets q pre-scaled by 1 / sqrt(D) (outside the timing).
     k_h, v_h = jnp.transpose(k, (2, 0, 1, 3)), jnp.transpose(v, (2, 0, 1, 3))
+    q_scaled = (q.astype(jnp.float32) * case.head_dim**-0.5).astype(jnp.bfloat16)
     width = table.shape[1]
     for ks in BUILTIN_K_SPLITS:
         if width % ks == 0 and (width // ks) % min(8, width // ks) == 0:
             fn = jax.jit(functools.partial(builtin.paged_attention, k_splits=ks, pages_per_compute_block=min(8, width // ks)))
-            record(f"jax_builtin_pallas/k_splits={ks}", fn, q, k_h, v_h, table, lens)
+            record(f"jax_builtin_pallas/k_splits={ks}", fn, q_scaled, k_h, v_h, table, lens)
     del k_h, v_h
 
     record("xla_gather_reference", jax.jit(lambda *a: reference.paged_decode(*a)[0].astype(jnp.bfloat16)), q, k, v, table, lens)
@@ -119,6 +129,7 @@ def main(argv=None):
     parser.add_argument("--flashinfer", help="JSON written by benchmarks.peers.flashinfer_decode")
     parser.add_argument("--report", help="only render the markdown table of this JSON")
     parser.add_argument("--cases", default="", help="comma-separated case names (default all)")
+    parser.add_argument("--tune", default="", help="comma-separated case names to sweep DecodeConfig on")
     args = parser.parse_args(argv)
     if args.report:
         print(render_table(json.load(open(args.report))))
@@ -140,7 +151,7 @@ def main(argv=None):
     wanted = set(filter(None, args.cases.split(",")))
     for case in bench_cases.CASES:
         if not wanted or case.name in wanted:
-            run_case(case, results, sweep="target" in case.tags)
+            run_case(case, results, sweep="target" in case.tags, tune=case.name in args.tune.split(","))
             json.dump(results, open(args.out, "w"), indent=1)
     if args.flashinfer:
         fi = json.load(open(args.flashinfer))

@@ -102,7 +102,7 @@ def _decode_kernel(
             row = (page * num_kv_heads + h) * page_size + r
         k = plgpu.load(k_ref.at[row[:, None], lanes], mask=live[:, None], other=0.0)  # [block_k, D]
         v = plgpu.load(v_ref.at[row[:, None], lanes], mask=live[:, None], other=0.0)
-        scores = pl.dot(q, k, trans_b=True) * sm_scale  # [16, block_k] f32
+        scores = plgpu.dot(q, k, trans_b=True) * sm_scale  # [16, block_k] f32
         if soft_cap is not None:
             scores = soft_cap * jnp.tanh(scores / soft_cap)
         scores = jnp.where(live[None, :], scores * LOG2_E, -jnp.inf)
@@ -110,7 +110,7 @@ def _decode_kernel(
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # EMPTY so far: no -inf - -inf
         p = jnp.exp2(scores - m_safe[:, None])
         scale = jnp.exp2(m - m_safe)
-        acc = acc * scale[:, None] + pl.dot(p.astype(v.dtype), v)
+        acc = acc * scale[:, None] + plgpu.dot(p.astype(v.dtype), v)
         return m_new, l * scale + jnp.sum(p, axis=1), acc
 
     init = (
