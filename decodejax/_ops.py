@@ -115,7 +115,7 @@ def decode_plan(
         capacity = max(1, -(-max_len // DETERMINISTIC_CHUNK))
         return planning.SplitPlan(1, capacity, policy="fixed_chunk", chunk=DETERMINISTIC_CHUNK)
     if num_splits is None:
-        num_splits = planning.choose_num_splits(batch, kv_heads, -(-max_len // block_k), _num_sms(), max_splits=64)
+        num_splits = planning.decode_num_splits(batch, kv_heads, max_len, _num_sms())
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     return planning.SplitPlan(num_splits, num_splits, align=block_k)
@@ -163,7 +163,7 @@ def decode_attention(
       return_partial_states: also return the per-split LseState f32[B, H_q, S] (Pallas backends).
       deterministic: fixed chunks of DETERMINISTIC_CHUNK tokens, so a request's output is bit
         identical whatever its neighbours and the batch size.
-      num_splits: split count; default from planning.choose_num_splits.
+      num_splits: split count; default from planning.decode_num_splits.
       config: pallas_kernels.decode_attention.DecodeConfig; default from its default_config.
       backend: "auto" or one of `backends()`.
 

@@ -187,6 +187,30 @@ def choose_num_splits(batch: int, kv_heads: int, num_kv_blocks: int, num_sms: in
     return min(s for s, e in effs.items() if e >= 0.85 * best)
 
 
+def decode_num_splits(
+    batch: int,
+    kv_heads: int,
+    max_len: int,
+    num_sms: int,
+    *,
+    programs_per_sm: int = 4,
+    min_split_tokens: int = 1024,
+    max_splits: int = 64,
+) -> int:
+    """Split count for the paged decode kernel: enough programs to keep every SM busy.
+
+    The smallest power of two S with batch * kv_heads * S >= programs_per_sm * num_sms, but
+    no split shorter than `min_split_tokens` (the per-split merge and pipeline start-up then
+    cost more than they hide) and at most `max_splits`. Measured on the H200 split sweep
+    (benchmarks/README.md): it picks the fastest S at every listed shape, where the
+    FlashAttention wave heuristic (`choose_num_splits`) picked 15 at B = 1 and 2 at B = 8.
+    """
+    target = -(-programs_per_sm * num_sms // max(1, batch * kv_heads))
+    by_occupancy = 1 << max(0, target - 1).bit_length()
+    by_length = max(1, max_len // min_split_tokens)
+    return max(1, min(by_occupancy, 1 << (by_length.bit_length() - 1), max_splits))
+
+
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "uint8": 1, "int32": 4}
 
 

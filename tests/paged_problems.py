@@ -51,16 +51,15 @@ def make_problem(spec: Spec, rng: np.random.Generator, poison=np.nan, lengths=No
     table = np.zeros((B, spec.width), np.int32)  # unused columns point at the null page
     k = np.full((num_pages, P, spec.kv_heads, spec.head_dim), poison, np.float32)
     v = np.full_like(k, poison)
-    n = 0
+    first_page = np.concatenate([[0], np.cumsum(pages_per_row)])
     for b in range(B):
-        c = cache_rows[b]
-        for j in range(pages_per_row[b]):
-            page = perm[n]
-            n += 1
-            table[c, j] = page
-            rows = min(P, lens[b] - j * P)
-            k[page, :rows] = rng.normal(size=(rows, spec.kv_heads, spec.head_dim))
-            v[page, :rows] = rng.normal(size=(rows, spec.kv_heads, spec.head_dim))
+        table[cache_rows[b], : pages_per_row[b]] = perm[first_page[b] : first_page[b + 1]]
+    # Every visible token (b, t) at once: its page and row, then fresh data in those slots.
+    req = np.repeat(np.arange(B), lens)
+    t = np.arange(len(req)) - np.repeat(np.concatenate([[0], np.cumsum(lens)[:-1]]), lens)
+    pages, rows = table[cache_rows[req], t // P], t % P
+    k[pages, rows] = rng.normal(size=(len(req), spec.kv_heads, spec.head_dim))
+    v[pages, rows] = rng.normal(size=(len(req), spec.kv_heads, spec.head_dim))
     q = rng.normal(size=(B, spec.q_heads, spec.head_dim)).astype(np.float32)
     return {"q": q, "k_pages": k, "v_pages": v, "page_table": table, "seq_lens": lens, "cache_batch_idx": cache_rows}
 
@@ -79,8 +78,8 @@ def visible_slots(problem) -> np.ndarray:
     """bool[num_pages, P]: slots some request can see."""
     k, table, lens, rows = problem["k_pages"], problem["page_table"], problem["seq_lens"], problem["cache_batch_idx"]
     P = k.shape[1]
+    req = np.repeat(np.arange(len(lens)), lens)
+    t = np.arange(len(req)) - np.repeat(np.concatenate([[0], np.cumsum(lens)[:-1]]), lens)
     seen = np.zeros(k.shape[:2], bool)
-    for b, n in enumerate(lens):
-        for t in range(n):
-            seen[table[rows[b], t // P], t % P] = True
+    seen[table[rows[req], t // P], t % P] = True
     return seen

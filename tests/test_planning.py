@@ -122,3 +122,11 @@ def test_P1_block_aligned_plan_covers_exactly(lengths, splits, align):
     assert_exact_cover(lengths, start, end)
     inner = start[end > start]
     assert np.all(inner % align == 0)
+
+
+def test_decode_num_splits_matches_the_h200_sweep_optima():
+    """The fastest S of the committed H200 split sweep at each target shape (H_kv = 8, 132 SMs)."""
+    for (batch, max_len), best in {(1, 32768): 32, (8, 8192): 8, (32, 4096): 2, (64, 2048): 1, (128, 1024): 1}.items():
+        assert planning.decode_num_splits(batch, 8, max_len, 132) == best
+    assert planning.decode_num_splits(1, 8, 100, 132) == 1  # never a split under 1024 tokens
+    assert planning.decode_num_splits(1, 1, 10**6, 132) == 64  # capped
