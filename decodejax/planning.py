@@ -199,14 +199,14 @@ def decode_num_splits(
 ) -> int:
     """Split count for the paged decode kernel: enough programs to keep every SM busy.
 
-    The smallest power of two S with batch * kv_heads * S >= programs_per_sm * num_sms, but
+    The largest power of two S with batch * kv_heads * S <= programs_per_sm * num_sms, but
     no split shorter than `min_split_tokens` (the per-split merge and pipeline start-up then
     cost more than they hide) and at most `max_splits`. Measured on the H200 split sweep
     (benchmarks/README.md): it picks the fastest S at every listed shape, where the
     FlashAttention wave heuristic (`choose_num_splits`) picked 15 at B = 1 and 2 at B = 8.
     """
-    target = -(-programs_per_sm * num_sms // max(1, batch * kv_heads))
-    by_occupancy = 1 << max(0, target - 1).bit_length()
+    target = max(1, programs_per_sm * num_sms // max(1, batch * kv_heads))
+    by_occupancy = 1 << (target.bit_length() - 1)
     by_length = max(1, max_len // min_split_tokens)
     return max(1, min(by_occupancy, 1 << (by_length.bit_length() - 1), max_splits))
 
