@@ -56,17 +56,6 @@ def _num_sms() -> int:
     return int(getattr(device, "core_count", 0) or H200_SMS) if device.platform == "gpu" else H200_SMS
 
 
-def _pool_geometry(k_pages, layout: KVLayout) -> tuple[int, int, int, int]:
-    """(num_pages, page_size, H_kv, D) of a pool in `layout`."""
-    if layout == KVLayout.PAGED_NHD:
-        num_pages, P, H_kv, D = k_pages.shape
-    elif layout == KVLayout.PAGED_HND:
-        num_pages, H_kv, P, D = k_pages.shape
-    else:
-        raise ValueError(f"layout={layout} is not a paged dense-table layout (PAGED_NHD or PAGED_HND)")
-    return num_pages, P, H_kv, D
-
-
 def _validate_decode_args(q, k_pages, v_pages, page_table, seq_lens, cache_batch_idx, layout):
     if q.ndim != 3:
         raise ValueError(f"q must be [B, H_q, D]; got shape {q.shape}")
@@ -79,7 +68,7 @@ def _validate_decode_args(q, k_pages, v_pages, page_table, seq_lens, cache_batch
     B, H_q, D = q.shape
     if seq_lens.shape != (B,) or not jnp.issubdtype(seq_lens.dtype, jnp.integer):
         raise ValueError(f"seq_lens must be an integer [B={B}] array; got {seq_lens.dtype}{list(seq_lens.shape)}")
-    num_pages, P, H_kv, D_k = _pool_geometry(k_pages, layout)
+    num_pages, P, H_kv, D_k = addressing.pool_geometry(k_pages, layout)
     if D_k != D:
         raise ValueError(f"head_dim of q ({D}) differs from k_pages ({D_k})")
     if H_q % H_kv:
@@ -174,7 +163,7 @@ def decode_attention(
     _validate_decode_args(q, k_pages, v_pages, page_table, seq_lens, cache_batch_idx, layout)
     backend = _resolve_backend(backend)
     B, H_q, D = q.shape
-    num_pages, P, H_kv, _ = _pool_geometry(k_pages, layout)
+    num_pages, P, H_kv, _ = addressing.pool_geometry(k_pages, layout)
     sm_scale = float(D**-0.5 if sm_scale is None else sm_scale)
     mask = DecodeMask(window_left, sinks)
     if backend == "xla":
@@ -246,7 +235,7 @@ def gather_pages(
     backend: str = "auto",
 ) -> jax.Array:
     """The visible rows of a paged pool as [B, max_len, H_kv, D] (default max_len W * P), zeros past seq_len."""
-    num_pages, P, H_kv, D = _pool_geometry(pages, layout)
+    num_pages, P, H_kv, D = addressing.pool_geometry(pages, layout)
     B = seq_lens.shape[0]
     if seq_lens.ndim != 1 or page_table.ndim != 2:
         raise ValueError(f"seq_lens must be [B] and page_table [B_c, W]; got {seq_lens.shape}, {page_table.shape}")

@@ -50,6 +50,17 @@ class KVLayout(enum.Enum):
         return self in (KVLayout.PAGED_NHD, KVLayout.PAGED_HND, KVLayout.PAGED_CSR_NHD)
 
 
+def pool_geometry(pages, layout: KVLayout) -> tuple[int, int, int, int]:
+    """(num_pages, page_size, H_kv, D) of a paged dense-table pool in `layout`."""
+    if layout == KVLayout.PAGED_NHD:
+        num_pages, P, H_kv, D = pages.shape
+    elif layout == KVLayout.PAGED_HND:
+        num_pages, H_kv, P, D = pages.shape
+    else:
+        raise ValueError(f"layout={layout} is not a paged dense-table layout (PAGED_NHD or PAGED_HND)")
+    return num_pages, P, H_kv, D
+
+
 @dataclasses.dataclass(frozen=True)
 class KVAddress:
     """An element of the K or V tensor: which tensor, and the element offset into it."""

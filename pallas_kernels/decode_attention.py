@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from decodejax.addressing import KVLayout
+from decodejax.addressing import KVLayout, pool_geometry
 from decodejax.masks import DecodeMask, visible
 
 LOG2_E = 1.4426950408889634
@@ -160,12 +160,7 @@ def paged_decode_partials(
     only checks what the kernel itself assumes.
     """
     B, H_q, D = q.shape
-    if layout == KVLayout.PAGED_NHD:
-        num_pages, P, H_kv, _ = k_pages.shape
-    elif layout == KVLayout.PAGED_HND:
-        num_pages, H_kv, P, _ = k_pages.shape
-    else:
-        raise ValueError(f"layout must be PAGED_NHD or PAGED_HND, got {layout}")
+    num_pages, P, H_kv, _ = pool_geometry(k_pages, layout)
     if D & (D - 1) or config.block_k & (config.block_k - 1):
         raise ValueError(f"head_dim={D} and block_k={config.block_k} must be powers of two")
     group = H_q // H_kv

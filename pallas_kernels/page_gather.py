@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from decodejax.addressing import KVLayout
+from decodejax.addressing import KVLayout, pool_geometry
 
 
 def _gather_kernel(pages_ref, table_ref, seq_lens_ref, cache_idx_ref, out_ref, *, page_size, num_kv_heads, layout, block_t):
@@ -51,12 +51,7 @@ def gather_pages(
     interpret: bool = False,
 ) -> jax.Array:
     """[B, max_len, H_kv, D] in the pool's dtype, zeros past each seq_len."""
-    if layout == KVLayout.PAGED_NHD:
-        num_pages, P, H_kv, D = pages.shape
-    elif layout == KVLayout.PAGED_HND:
-        num_pages, H_kv, P, D = pages.shape
-    else:
-        raise ValueError(f"layout must be PAGED_NHD or PAGED_HND, got {layout}")
+    num_pages, P, H_kv, D = pool_geometry(pages, layout)
     B = seq_lens.shape[0]
     kernel = functools.partial(_gather_kernel, page_size=P, num_kv_heads=H_kv, layout=layout, block_t=block_t)
     blocks = pl.cdiv(max_len, block_t)
