@@ -1,0 +1,296 @@
+"""Decode metadata: persistent buffers, the one refresh path, and the forward context (R1-R3, R5, R8).
+
+A decode step verifies a candidate window of N tokens per request. With T committed tokens in
+the cache, window column j sits at position T + j, its K/V is written there, and its query
+row sees [0, T + j + 1) (bottom-right causal, M2):
+
+    cache:   0 1 ... T-1 | T    T+1 ... T+N-1
+    window:              | c0   c1  ... c(N-1)     c0 = last verified token, c1.. = drafts
+
+`refresh_decode_metadata` is the only writer of decode metadata. Eager decode (bs ==
+actual_bs), bucket replay (bs = bucket > actual_bs) and capture (actual_bs = 0) all run it;
+rows [actual_bs, bs) are padding: page 0, seq_len 0, write slots inside page 0 (R3).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from decodejax.cache import CacheGroupRouter
+
+# Packed host row: [slot, committed_len, window ids (N), block table of each group ...].
+_FIXED_COLUMNS = 2
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeBuffers:
+    """Persistent decode buffers, sized by max_decode_bs and donated to every step.
+
+    Attributes:
+      slots: i32[max_bs], request slot of each row (indexes the sampling pool).
+      window_ids: i32[max_bs, N], the candidate window.
+      positions: i32[max_bs, N], cache position of each window column.
+      seq_lens: i32[max_bs], keys visible after the window is written (T + N; 0 = padding).
+      page_tables: {leaf: i32[max_bs, W_leaf]} kernel page tables.
+      write_slots: {leaf: i32[max_bs * N]} token-major flat write slots.
+      sampled: i32[max_bs, N + 1], sampled tokens then accept_len (the step's output).
+    """
+
+    slots: jax.Array
+    window_ids: jax.Array
+    positions: jax.Array
+    seq_lens: jax.Array
+    page_tables: dict
+    write_slots: dict
+    sampled: jax.Array
+
+    @staticmethod
+    def create(router: CacheGroupRouter, max_bs: int, window: int) -> "DecodeBuffers":
+        zeros = lambda *shape: jnp.zeros(shape, jnp.int32)  # noqa: E731
+        return DecodeBuffers(
+            slots=zeros(max_bs),
+            window_ids=zeros(max_bs, window),
+            positions=zeros(max_bs, window),
+            seq_lens=zeros(max_bs),
+            page_tables={lf.name: zeros(max_bs, router.kernel_width(lf.name)) for lf in router.leaves},
+            write_slots={lf.name: zeros(max_bs * window) for lf in router.leaves},
+            sampled=zeros(max_bs, window + 1),
+        )
+
+    @property
+    def max_bs(self) -> int:
+        return self.slots.shape[0]
+
+    @property
+    def window(self) -> int:
+        return self.window_ids.shape[1]
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeRow:
+    """One live request of a decode batch, as the scheduler describes it (host side).
+
+    Attributes:
+      slot: request slot in [0, max_requests).
+      committed_len: T, tokens already in the cache.
+      window_ids: N token ids: the last verified token, then drafts.
+      block_tables: {group: block ids} covering positions [0, T + N).
+    """
+
+    slot: int
+    committed_len: int
+    window_ids: tuple[int, ...]
+    block_tables: dict
+
+
+def packed_width(router: CacheGroupRouter, window: int) -> int:
+    return _FIXED_COLUMNS + window + sum(g.max_blocks for g in router.groups)
+
+
+def pack_decode_batch(rows: list[DecodeRow], *, bs: int, router: CacheGroupRouter, window: int, vocab_size: int) -> np.ndarray:
+    """Validates a decode batch (F1) and packs it into one int32 [bs, packed_width] upload.
+
+    Raises ValueError naming the offending row and value before anything is written: bs
+    smaller than the batch, duplicate slots, a missing group, a window of the wrong width or
+    with ids outside the vocabulary, positions beyond a table's capacity, a block table that
+    does not cover the window or points at the null block.
+    """
+    if len(rows) > bs:
+        raise ValueError(f"{len(rows)} rows do not fit bs={bs}")
+    slots = [r.slot for r in rows]
+    if len(set(slots)) != len(slots):
+        raise ValueError(f"duplicate request slots in batch: {sorted(slots)}")
+    out = np.zeros((bs, packed_width(router, window)), np.int32)
+    for i, r in enumerate(rows):
+        router.check_groups(r.block_tables)
+        if len(r.window_ids) != window:
+            raise ValueError(f"row {i} (slot {r.slot}): window has {len(r.window_ids)} ids, expected N={window}")
+        if r.committed_len < 0:
+            raise ValueError(f"row {i} (slot {r.slot}): committed_len={r.committed_len} < 0")
+        bad = [t for t in r.window_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"row {i} (slot {r.slot}): token ids {bad} outside the vocabulary of {vocab_size}")
+        out[i, 0], out[i, 1] = r.slot, r.committed_len
+        out[i, 2 : 2 + window] = r.window_ids
+        col = _FIXED_COLUMNS + window
+        end_pos = r.committed_len + window
+        for g in router.groups:
+            blocks = np.asarray(r.block_tables.get(g.name, []), np.int32)
+            needed = -(-end_pos // g.block_granularity)
+            if needed > g.max_blocks:
+                raise ValueError(f"row {i} (slot {r.slot}): position {end_pos - 1} exceeds group {g.name!r} capacity "
+                                 f"{g.max_blocks} blocks x {g.block_granularity}")
+            if g.name in r.block_tables and (len(blocks) < needed or np.any(blocks[:needed] <= 0)):
+                raise ValueError(f"row {i} (slot {r.slot}): group {g.name!r} blocks {blocks.tolist()} do not cover "
+                                 f"positions [0, {end_pos}) with live blocks")
+            out[i, col : col + len(blocks)] = blocks
+            col += g.max_blocks
+    return out
+
+
+def refresh_decode_metadata(
+    buffers: DecodeBuffers,
+    batch: jax.Array,  # i32[bs, packed_width]
+    actual_bs: jax.Array,  # i32[]
+    *,
+    bs: int,
+    router: CacheGroupRouter,
+) -> DecodeBuffers:
+    """Writes rows [0, bs) of the decode metadata from one packed upload; pure.
+
+    Run under jit with `buffers` donated, XLA updates them in place. Rows >= actual_bs are
+    padding (page 0, seq_len 0, window ids 0, write slots inside page 0).
+    """
+    N = buffers.window
+    live = jnp.arange(bs) < actual_bs
+    live_col = live[:, None]
+    committed = jnp.where(live, batch[:, 1], 0)
+    positions = committed[:, None] + jnp.arange(N, dtype=jnp.int32)[None, :]
+    window_ids = jnp.where(live_col, batch[:, 2 : 2 + N], 0)
+    block_tables, col = {}, _FIXED_COLUMNS + N
+    for g in router.groups:
+        block_tables[g.name] = batch[:, col : col + g.max_blocks]
+        col += g.max_blocks
+    page_tables, write_slots = dict(buffers.page_tables), dict(buffers.write_slots)
+    for lf in router.leaves:
+        table = router.kernel_table(lf.name, block_tables[lf.group], live)
+        page_tables[lf.name] = buffers.page_tables[lf.name].at[:bs].set(table)
+        slots = router.write_slots(lf.name, table, positions).reshape(bs * N)
+        write_slots[lf.name] = buffers.write_slots[lf.name].at[: bs * N].set(slots)
+    return dataclasses.replace(
+        buffers,
+        slots=buffers.slots.at[:bs].set(jnp.where(live, batch[:, 0], 0)),
+        window_ids=buffers.window_ids.at[:bs].set(window_ids),
+        positions=buffers.positions.at[:bs].set(positions),
+        seq_lens=buffers.seq_lens.at[:bs].set(jnp.where(live, committed + N, 0)),
+        page_tables=page_tables,
+        write_slots=write_slots,
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("bs", "router"), donate_argnums=0)
+def refresh_decode_metadata_jit(buffers, batch, actual_bs, *, bs, router):
+    """`refresh_decode_metadata` compiled, buffers donated (used alone by tests and tools)."""
+    return refresh_decode_metadata(buffers, batch, actual_bs, bs=bs, router=router)
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=("window_ids", "positions", "slots", "seq_lens", "page_tables", "write_slots"),
+    meta_fields=("layer_leaves", "mode"),
+)
+@dataclasses.dataclass(frozen=True)
+class ForwardContext:
+    """What a model's forward may know about the cache: the top-level attention backend view.
+
+    Rows are the forward's rows (bs decode rows, or the extend batch's requests).
+    """
+
+    window_ids: jax.Array  # i32[rows, N]
+    positions: jax.Array  # i32[rows, N]
+    slots: jax.Array  # i32[rows]
+    seq_lens: jax.Array  # i32[rows]
+    page_tables: dict  # {leaf: i32[rows, W_leaf]}
+    write_slots: dict  # {leaf: i32[rows * N]}
+    layer_leaves: tuple[str, ...]  # leaf of each layer
+    mode: str  # "decode" or "extend"
+
+    @staticmethod
+    def for_decode(buffers: DecodeBuffers, bs: int, layer_leaves: tuple[str, ...]) -> "ForwardContext":
+        N = buffers.window
+        return ForwardContext(
+            window_ids=buffers.window_ids[:bs],
+            positions=buffers.positions[:bs],
+            slots=buffers.slots[:bs],
+            seq_lens=buffers.seq_lens[:bs],
+            page_tables={k: v[:bs] for k, v in buffers.page_tables.items()},
+            write_slots={k: v[: bs * N] for k, v in buffers.write_slots.items()},
+            layer_leaves=layer_leaves,
+            mode="decode",
+        )
+
+    def write_locations(self, layer: int, mode: str) -> jax.Array:
+        """The only source of KV write slots: i32[rows * N], token-major (row r, column j at r * N + j)."""
+        if mode != self.mode:
+            raise ValueError(f"write_locations(layer={layer}, mode={mode!r}) asked of a {self.mode!r} forward")
+        return self.write_slots[self.layer_leaves[layer]]
+
+    def attention_rows(self, layer: int) -> tuple[jax.Array, jax.Array]:
+        """(page_table i32[rows * N, W], seq_lens i32[rows * N]) with one query row per window column.
+
+        Column j of a row sees keys [0, T + j + 1); padded rows (seq_len 0) see nothing.
+        """
+        table = self.page_tables[self.layer_leaves[layer]]
+        N = self.window_ids.shape[1]
+        row_lens = jnp.where(self.seq_lens[:, None] > 0, self.positions + 1, 0)  # [rows, N]
+        return jnp.repeat(table, N, axis=0), row_lens.reshape(-1)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExtendInputs:
+    """The one required bundle of an extend (prefill or mixed) forward; no field has a default.
+
+    Attributes:
+      extend_lens: new tokens of each request (C_b >= 1).
+      prefix_lens: tokens already cached before them (T_b >= 0).
+      slots: request slots.
+      token_ids: the new tokens of every request, concatenated (sum C_b).
+      block_tables: {group: [block ids per request]} covering [0, T_b + C_b).
+    """
+
+    extend_lens: tuple[int, ...]
+    prefix_lens: tuple[int, ...]
+    slots: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    block_tables: dict
+
+
+def build_extend_metadata(router: CacheGroupRouter, layer_leaves: tuple[str, ...], *, inputs: ExtendInputs) -> ForwardContext:
+    """Extend metadata with dynamic shapes per forward: one context row per new token.
+
+    The new tokens are packed request-major (qo_indptr order); token i of request b sits at
+    position T_b + i, is written to its slot and sees [0, T_b + i + 1). A pure decode batch
+    (every request one new token after a cached prefix) is refused: it belongs to the
+    bucketed decode path.
+    """
+    C = np.asarray(inputs.extend_lens, np.int64)
+    T = np.asarray(inputs.prefix_lens, np.int64)
+    if len(C) == 0 or len(C) != len(T) or len(C) != len(inputs.slots):
+        raise ValueError(f"extend_lens {tuple(C)}, prefix_lens {tuple(T)} and slots {inputs.slots} must be non-empty and aligned")
+    if np.any(C < 1) or np.any(T < 0):
+        raise ValueError(f"extend_lens must be >= 1 and prefix_lens >= 0; got {tuple(C)}, {tuple(T)}")
+    if np.all(C == 1) and np.all(T > 0):
+        raise ValueError("a pure decode batch (one new token after a cached prefix in every request) goes through refresh_decode_metadata")
+    if len(inputs.token_ids) != C.sum():
+        raise ValueError(f"token_ids has {len(inputs.token_ids)} ids, extend_lens sum to {int(C.sum())}")
+    router.check_groups(inputs.block_tables)
+    req = np.repeat(np.arange(len(C)), C)
+    pos = (T[req] + np.arange(C.sum()) - np.repeat(np.concatenate([[0], np.cumsum(C)[:-1]]), C)).astype(np.int32)
+    live = jnp.ones(len(req), bool)
+    page_tables, write_slots = {}, {}
+    for lf in router.leaves:
+        g = router.group(lf.group)
+        blocks = np.zeros((len(C), g.max_blocks), np.int32)
+        for b, row in enumerate(inputs.block_tables[lf.group]):
+            if len(row) * g.block_granularity < T[b] + C[b]:
+                raise ValueError(f"request {b}: group {g.name!r} blocks {list(row)} do not cover [0, {T[b] + C[b]})")
+            blocks[b, : len(row)] = row
+        table = router.kernel_table(lf.name, jnp.asarray(blocks[req]), live)
+        page_tables[lf.name] = table
+        write_slots[lf.name] = router.write_slots(lf.name, table, jnp.asarray(pos)[:, None]).reshape(-1)
+    return ForwardContext(
+        window_ids=jnp.asarray(inputs.token_ids, jnp.int32)[:, None],
+        positions=jnp.asarray(pos)[:, None],
+        slots=jnp.asarray(np.asarray(inputs.slots, np.int32)[req]),
+        seq_lens=jnp.asarray(pos + 1),
+        page_tables=page_tables,
+        write_slots=write_slots,
+        layer_leaves=layer_leaves,
+        mode="extend",
+    )

@@ -1,0 +1,307 @@
+"""The decode runner: bucketed AOT-compiled steps as captured graphs (R1-R4, R6-R8).
+
+| CUDA-graph engine            | here                                                          |
+|------------------------------|---------------------------------------------------------------|
+| capture bucket bs            | AOT-compile the step for bs at start-up, run it once on       |
+|                              | placeholder tables (actual_bs = 0)                            |
+| replay                       | call the executable: pad to the bucket, never retrace         |
+| persistent buffers           | DecodeBuffers + KVPool, donated to every step                 |
+| eager decode                 | the same step function, not jitted, at the exact batch size   |
+| above the ladder             | the same step compiled at its exact size on first use, cached |
+
+One step is: refresh_decode_metadata -> model forward -> sample_window; tokens and accept
+lengths land in `buffers.sampled`, which reaches the host in one copy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from decodejax.cache import CacheGroupRouter, KVPool
+from decodejax.metadata import DecodeBuffers, DecodeRow, ForwardContext, pack_decode_batch, packed_width, refresh_decode_metadata
+from decodejax.sampling import SamplingParams, SamplingPool, sample_window
+
+log = logging.getLogger("decodejax.runner")
+
+_COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/backend_compile_duration")
+_compile_count = [0]
+
+
+def _count_compiles(event: str, duration: float, **_):
+    if event in _COMPILE_EVENTS:
+        _compile_count[0] += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_count_compiles)
+
+
+def compile_events() -> int:
+    """Traces plus backend compiles seen in this process so far."""
+    return _compile_count[0]
+
+
+def default_capture_ladder(max_capture_bs: int) -> tuple[int, ...]:
+    """1, 2, 4, 8, 16, 24, 32, 48, 64, then every 32 up to max_capture_bs."""
+    ladder = [1, 2, 4, 8, 16, 24, 32, 48, 64] + list(range(96, max_capture_bs + 1, 32))
+    return tuple(b for b in ladder if b <= max_capture_bs)
+
+
+class CaptureError(RuntimeError):
+    """A bucket failed to compile or run at start-up: fatal, never an eager fallback."""
+
+
+class RebindError(ValueError):
+    """A cache pool rebind that some backend node rejected; nothing was changed."""
+
+
+class GraphDebugError(RuntimeError):
+    """DECODEJAX_GRAPH_DEBUG found a donated buffer that moved, or a compile after warm-up."""
+
+
+class BackendNode:
+    """A node of the backend tree: declares bucket support per phase and validates pools."""
+
+    supports_buckets: ClassVar[dict[str, bool]] = {"decode": True, "prefill": False}
+
+    def validate_pool(self, pool: KVPool) -> list[str]:
+        return []
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionLeafBackend(BackendNode):
+    """The paged decode attention of one leaf, on the layers that use it."""
+
+    leaf: str
+    layers: tuple[int, ...]
+    page_size: int
+    kv_heads: int
+    head_dim: int
+    dtype: str
+
+    def validate_pool(self, pool: KVPool) -> list[str]:
+        L, _, P, H, D = pool.k.shape
+        reasons = []
+        if max(self.layers) >= L:
+            reasons.append(f"{self.leaf}: layer {max(self.layers)} outside a pool of {L} layers")
+        if (P, H, D) != (self.page_size, self.kv_heads, self.head_dim):
+            reasons.append(f"{self.leaf}: pool pages [P={P}, H_kv={H}, D={D}] != [{self.page_size}, {self.kv_heads}, {self.head_dim}]")
+        if str(pool.k.dtype) != self.dtype or pool.v.shape != pool.k.shape:
+            reasons.append(f"{self.leaf}: pool K {pool.k.dtype}{list(pool.k.shape)} / V {list(pool.v.shape)} != {self.dtype}")
+        return reasons
+
+
+def compose_bucket_support(nodes, phase: str) -> tuple[bool, list[str]]:
+    """AND of every node's declared support for `phase`; the culprits by class name."""
+    culprits = [type(n).__name__ for n in nodes if not n.supports_buckets.get(phase, False)]
+    return not culprits, culprits
+
+
+class GraphGuard:
+    """DECODEJAX_GRAPH_DEBUG=1: donated buffers keep their device addresses; nothing compiles after warm-up."""
+
+    def __init__(self, enabled: bool | None = None):
+        self.enabled = os.environ.get("DECODEJAX_GRAPH_DEBUG") == "1" if enabled is None else enabled
+        self._pointers: dict[str, int] = {}
+        self._compiles = 0
+
+    @staticmethod
+    def _addresses(trees: dict) -> dict[str, int]:
+        out = {}
+        for name, tree in trees.items():
+            for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+                out[name + jax.tree_util.keystr(path)] = leaf.unsafe_buffer_pointer()
+        return out
+
+    def arm(self, trees: dict) -> None:
+        if self.enabled:
+            self._pointers = self._addresses(trees)
+            self._compiles = compile_events()
+
+    def check(self, trees: dict) -> None:
+        if not self.enabled:
+            return
+        now = self._addresses(trees)
+        moved = [path for path, ptr in now.items() if self._pointers.get(path) != ptr]
+        if moved:
+            raise GraphDebugError(f"donated buffers moved (or were rebound): {moved}")
+        if compile_events() != self._compiles:
+            raise GraphDebugError(f"{compile_events() - self._compiles} trace/compile event(s) after warm-up")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunnerConfig:
+    """Static runner settings.
+
+    Attributes:
+      max_decode_bs: rows of the persistent buffers (>= max_capture_bs): the capacity limit.
+      max_capture_bs: top of the capture ladder: a performance subset, not a limit.
+      window: N, candidate-window width (1 without a drafter).
+      capture_ladder: buckets; default `default_capture_ladder(max_capture_bs)`.
+      enforce_eager: run the step function un-jitted at the exact batch size.
+      compilation_cache_dir: JAX persistent compilation cache directory (None: off).
+    """
+
+    max_decode_bs: int = 64
+    max_capture_bs: int = 32
+    window: int = 1
+    capture_ladder: tuple[int, ...] | None = None
+    enforce_eager: bool = False
+    compilation_cache_dir: str | None = None
+
+    def __post_init__(self):
+        if self.max_decode_bs < self.max_capture_bs:
+            raise ValueError(f"max_decode_bs={self.max_decode_bs} must be >= max_capture_bs={self.max_capture_bs}")
+        if self.window < 1:
+            raise ValueError(f"window must be >= 1, got {self.window}")
+        if self.capture_ladder is not None and any(b > self.max_capture_bs or b < 1 for b in self.capture_ladder):
+            raise ValueError(f"capture_ladder {self.capture_ladder} must lie in [1, max_capture_bs={self.max_capture_bs}]")
+
+    @property
+    def ladder(self) -> tuple[int, ...]:
+        return tuple(sorted(self.capture_ladder or default_capture_ladder(self.max_capture_bs)))
+
+
+def decode_step(params, pool, buffers, sampling, batch, actual_bs, *, bs, router, layer_leaves, model_forward):
+    """The hot step: refresh -> forward -> sample. Returns (pool, buffers), both donated."""
+    buffers = refresh_decode_metadata(buffers, batch, actual_bs, bs=bs, router=router)
+    ctx = ForwardContext.for_decode(buffers, bs, layer_leaves)
+    logits, pool = model_forward(params, pool, ctx)
+    tokens, accept = sample_window(logits, ctx.window_ids, ctx.positions, ctx.slots, sampling)
+    sampled = jnp.concatenate([tokens, accept[:, None]], axis=1)
+    return pool, dataclasses.replace(buffers, sampled=buffers.sampled.at[:bs].set(sampled))
+
+
+_donating_step = jax.jit(decode_step, static_argnames=("bs", "router", "layer_leaves", "model_forward"), donate_argnums=(1, 2))
+
+
+class DecodeRunner:
+    """Owns the persistent buffers, the pool and the compiled bucket steps.
+
+    Args:
+      model_forward: (params, pool, ctx) -> (logits [rows, N, V], pool); hashable (e.g. a partial).
+      params: model parameters (a pytree of device arrays).
+      pool: the KVPool.
+      router: the cache-group router.
+      layer_leaves: the leaf of each layer.
+      backends: the backend tree (BackendNode instances).
+      config: RunnerConfig.
+      vocab_size: V, to validate window ids.
+      max_requests: request slots of the sampling pool.
+    """
+
+    def __init__(self, model_forward: Callable, params, pool: KVPool, router: CacheGroupRouter, layer_leaves, backends, config: RunnerConfig, *, vocab_size: int, max_requests: int):
+        self.model_forward, self.params, self.pool = model_forward, params, pool
+        self.router, self.layer_leaves, self.backends, self.config = router, tuple(layer_leaves), list(backends), config
+        self.vocab_size = vocab_size
+        reasons = [r for node in self.backends for r in node.validate_pool(pool)]
+        if reasons:
+            raise RebindError(f"the initial pool is rejected: {reasons}")
+        self.buffers = DecodeBuffers.create(router, config.max_decode_bs, config.window)
+        self.sampling = SamplingPool.create(max_requests)
+        self.bucketed, culprits = compose_bucket_support(self.backends, "decode")
+        if culprits:
+            log.warning("decode buckets disabled by backend classes %s: every batch runs at its exact size", culprits)
+        if config.compilation_cache_dir:
+            jax.config.update("jax_compilation_cache_dir", config.compilation_cache_dir)
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        self.guard = GraphGuard()
+        self.capture_seconds: dict[int, float] = {}
+        self._executables: dict[int, Callable] = {}
+        self._announced: set[int] = set()
+
+    # -- start-up ---------------------------------------------------------------------------
+    def _statics(self, bs):
+        return dict(bs=bs, router=self.router, layer_leaves=self.layer_leaves, model_forward=self.model_forward)
+
+    def _compile(self, bs: int):
+        batch = jax.ShapeDtypeStruct((bs, packed_width(self.router, self.config.window)), jnp.int32)
+        actual = jax.ShapeDtypeStruct((), jnp.int32)
+        return _donating_step.lower(self.params, self.pool, self.buffers, self.sampling, batch, actual, **self._statics(bs)).compile()
+
+    def capture(self, progress=sys.stderr) -> dict[int, float]:
+        """Compiles every bucket of the ladder and runs it once on placeholder tables (actual_bs = 0).
+
+        Returns seconds per bucket. Any failure raises CaptureError (no eager fallback).
+        """
+        if self.config.enforce_eager or not self.bucketed:
+            return {}
+        ladder = self.config.ladder
+        for i, bs in enumerate(ladder):
+            t0 = time.perf_counter()
+            try:
+                self._executables[bs] = self._compile(bs)
+                placeholder = np.zeros((bs, packed_width(self.router, self.config.window)), np.int32)
+                self.pool, self.buffers = self._executables[bs](self.params, self.pool, self.buffers, self.sampling, placeholder, np.int32(0))
+                jax.block_until_ready(self.buffers)
+            except Exception as exc:
+                raise CaptureError(f"capturing bucket bs={bs} failed: {exc!r}") from exc
+            self.capture_seconds[bs] = time.perf_counter() - t0
+            if progress is not None:
+                bar = "#" * (i + 1) + "." * (len(ladder) - i - 1)
+                print(f"\rcapture [{bar}] bs={bs:4d} {self.capture_seconds[bs]:6.2f}s", end="", file=progress, flush=True)
+        if progress is not None:
+            print(f"\ncaptured {len(ladder)} buckets in {sum(self.capture_seconds.values()):.2f}s", file=progress)
+        self.guard.arm({"pool": self.pool, "buffers": self.buffers})
+        return dict(self.capture_seconds)
+
+    # -- per step ---------------------------------------------------------------------------
+    def bucket_for(self, actual_bs: int) -> int:
+        """The padded size a batch of actual_bs rows runs at."""
+        if actual_bs > self.config.max_decode_bs:
+            raise ValueError(f"batch of {actual_bs} rows exceeds max_decode_bs={self.config.max_decode_bs}")
+        if self.config.enforce_eager or not self.bucketed or actual_bs > self.config.max_capture_bs:
+            return actual_bs
+        return next(b for b in self.config.ladder if b >= actual_bs)
+
+    def _executable(self, bs: int):
+        if bs not in self._executables:
+            if bs not in self._announced:
+                log.warning("decode batch of %d rows is above the capture ladder: compiling that exact size once", bs)
+                self._announced.add(bs)
+            self._executables[bs] = self._compile(bs)
+            self.guard.arm({"pool": self.pool, "buffers": self.buffers})
+        return self._executables[bs]
+
+    def set_sampling(self, slot: int, params: SamplingParams) -> None:
+        self.sampling = self.sampling.set(slot, params)
+
+    def step(self, rows: list[DecodeRow]) -> np.ndarray:
+        """Runs one decode step; returns i32[len(rows), N + 1] (tokens, then accept_len)."""
+        actual = len(rows)
+        if actual == 0:
+            raise ValueError("a decode step needs at least one row")
+        bs = self.bucket_for(actual)
+        batch = pack_decode_batch(rows, bs=bs, router=self.router, window=self.config.window, vocab_size=self.vocab_size)
+        if self.config.enforce_eager:
+            self.pool, self.buffers = decode_step(self.params, self.pool, self.buffers, self.sampling, jnp.asarray(batch), jnp.int32(actual), **self._statics(bs))
+        else:
+            self.pool, self.buffers = self._executable(bs)(self.params, self.pool, self.buffers, self.sampling, batch, np.int32(actual))
+            self.guard.check({"pool": self.pool, "buffers": self.buffers})
+        return np.asarray(self.buffers.sampled)[:actual]  # the one device-to-host copy
+
+    # -- pool rebind ------------------------------------------------------------------------
+    def rebind_pool(self, pool: KVPool) -> None:
+        """Validates the new pool against every backend node, then publishes it (R7).
+
+        A rejected rebind raises RebindError and changes nothing. An accepted one whose shape
+        differs drops the compiled buckets, which `capture()` builds again.
+        """
+        reasons = [r for node in self.backends for r in node.validate_pool(pool)]
+        if reasons:
+            raise RebindError(f"pool rebind rejected: {reasons}")
+        reshaped = jax.tree.map(lambda a, b: a.shape != b.shape, self.pool, pool)
+        self.pool = pool
+        if any(jax.tree.leaves(reshaped)):
+            self._executables.clear()
+            self.capture_seconds.clear()

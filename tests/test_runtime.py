@@ -1,0 +1,335 @@
+"""The unified decode runtime (R1-R8, F1, A3-A4) with the toy model on CPU."""
+
+import dataclasses
+import functools
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from decodejax import addressing
+from decodejax.cache import CacheGroup, CacheGroupRouter, KVPool, Leaf, OutOfPages, PageAllocator
+from decodejax.metadata import (
+    DecodeBuffers,
+    DecodeRow,
+    ExtendInputs,
+    ForwardContext,
+    build_extend_metadata,
+    pack_decode_batch,
+    refresh_decode_metadata_jit,
+)
+from decodejax.runner import (
+    AttentionLeafBackend,
+    BackendNode,
+    CaptureError,
+    DecodeRunner,
+    GraphDebugError,
+    RebindError,
+    RunnerConfig,
+    compile_events,
+)
+from decodejax.sampling import SamplingParams, SamplingPool, sample_window
+from models import toy
+
+CFG = toy.ToyConfig()
+G, P, MAX_BLOCKS, NUM_BLOCKS = 16, 8, 6, 40  # blocks of 16 tokens, kernel pages of 8
+ROUTER = CacheGroupRouter((CacheGroup("main", G, MAX_BLOCKS),), (Leaf("full", "main", P),))
+NUM_PAGES = NUM_BLOCKS * G // P
+
+
+def make_runner(config=RunnerConfig(max_decode_bs=12, max_capture_bs=8, capture_ladder=(1, 2, 4, 8)), params=None, backends=None, forward=None):
+    pool = KVPool.create(CFG.num_layers, NUM_PAGES, P, CFG.kv_heads, CFG.head_dim, jnp.float32)
+    backends = backends or [AttentionLeafBackend("full", (0, 1), P, CFG.kv_heads, CFG.head_dim, "float32")]
+    return DecodeRunner(
+        forward or functools.partial(toy.forward, CFG), params or toy.init_params(CFG), pool, ROUTER, CFG.layer_leaves,
+        backends, config, vocab_size=CFG.vocab_size, max_requests=32,
+    )
+
+
+def random_rows(rng, n, min_token=0):
+    """n rows with distinct slots, disjoint blocks from one allocator and random lengths."""
+    alloc = PageAllocator(NUM_BLOCKS)
+    rows = []
+    for slot in rng.permutation(32)[:n]:
+        committed = int(rng.integers(0, MAX_BLOCKS * G - 1))
+        blocks = alloc.allocate(-(-(committed + 1) // G))
+        rows.append(DecodeRow(int(slot), committed, (int(rng.integers(min_token, CFG.vocab_size)),), {"main": blocks}))
+    return rows
+
+
+# -- cache and router ------------------------------------------------------------------------
+
+def test_A4_allocator_never_hands_out_the_null_page_and_oom_changes_nothing():
+    alloc = PageAllocator(9)
+    pages = alloc.allocate(8)
+    assert sorted(pages) == list(range(1, 9)) and alloc.num_free == 0
+    with pytest.raises(OutOfPages, match="asked for 1 pages, 0 free"):
+        alloc.allocate(1)
+    alloc.free(pages[:3])
+    with pytest.raises(OutOfPages):
+        alloc.allocate(4)
+    assert alloc.num_free == 3
+    with pytest.raises(ValueError, match="double free"):
+        alloc.free([pages[0]])
+    with pytest.raises(ValueError, match=r"cannot free pages \[0\]"):
+        alloc.free([0])
+
+
+def test_R5_router_expands_blocks_zeroes_padding_and_keeps_write_slots():
+    blocks = jnp.array([[5, 9, 0, 0, 0, 0], [3, 0, 0, 0, 0, 0], [7, 8, 0, 0, 0, 0]], jnp.int32)
+    live = jnp.array([True, True, False])
+    table = np.asarray(ROUTER.kernel_table("full", blocks, live))
+    assert table.shape == (3, MAX_BLOCKS * G // P)
+    assert table[0].tolist()[:4] == [10, 11, 18, 19] and not table[0, 4:].any()  # tails page 0
+    assert not table[2].any()  # padded row: page 0
+    positions = jnp.array([[0, 17, 31], [15, 3, 9], [0, 1, 2]])
+    raw = addressing.write_slots(np.asarray(blocks[:2]), np.arange(2)[:, None], np.asarray(positions[:2]), G)
+    np.testing.assert_array_equal(np.asarray(ROUTER.write_slots("full", jnp.asarray(table), positions))[:2], raw)
+
+
+def test_R5_a_batch_missing_a_consumed_group_raises():
+    with pytest.raises(ValueError, match=r"no block table for group\(s\) \['main'\] consumed by leaves \['full'\]"):
+        ROUTER.check_groups({"other": [1]})
+
+
+# -- sampling --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    "field,value,match",
+    [("temperature", float("nan"), "finite"), ("temperature", -1.0, ">= 0"), ("top_p", 0.0, r"\(0, 1\]"),
+     ("top_p", float("inf"), "finite"), ("min_p", 1.0, r"\[0, 1\)"), ("top_k", -2, "int >= 0"),
+     ("max_new_tokens", 0, ">= 1"), ("seed", -1, r"int in \[0, 2\*\*32\)"), ("stop_token_ids", (3, -1), "ints >= 0")],
+)
+def test_R8_sampling_params_rejects_bad_values_naming_them(field, value, match):
+    with pytest.raises(ValueError, match=f"SamplingParams.{field}=.*{match}"):
+        SamplingParams(**{field: value})
+
+
+def test_R8_greedy_is_normalized_to_top_k_1():
+    p = SamplingParams(temperature=0.0, top_k=40)
+    assert (p.top_k, p.temperature) == (1, 1.0)
+
+
+def _pool_for(params_by_slot):
+    pool = SamplingPool.create(8)
+    for slot, p in params_by_slot.items():
+        pool = pool.set(slot, p)
+    return pool
+
+
+def test_R8_top_k_1_equals_argmax():
+    logits = jax.random.normal(jax.random.PRNGKey(0), (6, 1, 50))
+    pool = _pool_for({s: SamplingParams(temperature=0.0, seed=s) for s in range(6)})
+    tokens, accept = sample_window(logits, jnp.zeros((6, 1), jnp.int32), jnp.arange(6)[:, None], jnp.arange(6), pool)
+    np.testing.assert_array_equal(np.asarray(tokens[:, 0]), np.argmax(np.asarray(logits[:, 0]), axis=-1))
+    assert np.all(np.asarray(accept) == 1)
+
+
+def test_R8_window_of_one_equals_plain_sampling_and_seeds_reproduce():
+    logits = jax.random.normal(jax.random.PRNGKey(1), (4, 1, 30)) * 3
+    pool = _pool_for({s: SamplingParams(temperature=0.8, top_p=0.9, seed=100 + s) for s in range(4)})
+    positions = jnp.array([[5], [9], [2], [7]])
+    tokens, _ = sample_window(logits, jnp.zeros((4, 1), jnp.int32), positions, jnp.arange(4), pool)
+    for r in range(4):
+        key = jax.random.fold_in(jax.random.PRNGKey(100 + r), int(positions[r, 0]))
+        from decodejax.sampling import _filter_logits
+
+        filt = _filter_logits(logits[r], pool.temperature[r : r + 1], pool.top_k[r : r + 1], pool.top_p[r : r + 1], pool.min_p[r : r + 1])
+        assert int(tokens[r, 0]) == int(jax.random.categorical(key, filt[0]))
+    # The same request alone, in another row, gives the same token.
+    alone, _ = sample_window(logits[2:3], jnp.zeros((1, 1), jnp.int32), positions[2:3], jnp.array([2]), pool)
+    assert int(alone[0, 0]) == int(tokens[2, 0])
+
+
+def test_R8_verify_accepts_leading_matching_drafts():
+    logits = jnp.full((2, 3, 5), -5.0).at[0, 0, 2].set(5).at[0, 1, 4].set(5).at[0, 2, 1].set(5)
+    logits = logits.at[1, 0, 3].set(5).at[1, 1, 0].set(5).at[1, 2, 0].set(5)
+    pool = _pool_for({0: SamplingParams(temperature=0.0), 1: SamplingParams(temperature=0.0)})
+    window = jnp.array([[7, 2, 4], [7, 1, 0]])  # row 0: both drafts match; row 1: first draft wrong
+    tokens, accept = sample_window(logits, window, jnp.zeros((2, 3), jnp.int32), jnp.arange(2), pool)
+    assert np.asarray(tokens).tolist() == [[2, 4, 1], [3, 0, 0]]
+    assert np.asarray(accept).tolist() == [3, 1]
+
+
+# -- metadata --------------------------------------------------------------------------------
+
+BAD_BATCHES = [
+    ("duplicate request slots", [DecodeRow(1, 3, (1,), {"main": [1]}), DecodeRow(1, 3, (1,), {"main": [2]})]),
+    (r"token ids \[64\] outside the vocabulary of 64", [DecodeRow(1, 3, (64,), {"main": [1]})]),
+    ("exceeds group 'main' capacity 6 blocks x 16", [DecodeRow(1, 96, (1,), {"main": [1, 2, 3, 4, 5, 6]})]),
+    (r"blocks \[1\] do not cover positions \[0, 20\)", [DecodeRow(1, 19, (1,), {"main": [1]})]),
+    (r"blocks \[0\] do not cover", [DecodeRow(1, 2, (1,), {"main": [0]})]),
+    (r"no block table for group", [DecodeRow(1, 2, (1,), {})]),
+    ("window has 2 ids, expected N=1", [DecodeRow(1, 2, (1, 2), {"main": [1]})]),
+]
+
+
+@pytest.mark.parametrize("match,rows", BAD_BATCHES, ids=[m[:20] for m, _ in BAD_BATCHES])
+def test_F1_bad_batches_are_rejected_before_any_write(match, rows):
+    with pytest.raises(ValueError, match=match):
+        pack_decode_batch(rows, bs=4, router=ROUTER, window=1, vocab_size=CFG.vocab_size)
+
+
+def _live_fields(buffers, n, N=1):
+    return {
+        "slots": np.asarray(buffers.slots[:n]), "window": np.asarray(buffers.window_ids[:n]),
+        "positions": np.asarray(buffers.positions[:n]), "seq_lens": np.asarray(buffers.seq_lens[:n]),
+        "table": np.asarray(buffers.page_tables["full"][:n]), "slots_w": np.asarray(buffers.write_slots["full"][: n * N]),
+    }
+
+
+def test_R1_eager_and_padded_replay_refresh_agree_on_live_rows():
+    rng = np.random.default_rng(0)
+    ladder = (1, 2, 4, 8)
+    for actual in range(1, 12):
+        rows = random_rows(rng, actual)
+        bucket = next((b for b in ladder if b >= actual), actual)
+        results = []
+        for bs in (actual, bucket):
+            buffers = DecodeBuffers.create(ROUTER, 12, 1)
+            batch = pack_decode_batch(rows, bs=bs, router=ROUTER, window=1, vocab_size=CFG.vocab_size)
+            buffers = refresh_decode_metadata_jit(buffers, batch, np.int32(actual), bs=bs, router=ROUTER)
+            results.append(buffers)
+        eager, replay = (_live_fields(b, actual) for b in results)
+        for k in eager:
+            np.testing.assert_array_equal(eager[k], replay[k], err_msg=k)
+        # R3: padded rows point at page 0 with seq_len 0 and write inside page 0.
+        padded = slice(actual, bucket)
+        assert not np.asarray(results[1].page_tables["full"][padded]).any()
+        assert not np.asarray(results[1].seq_lens[padded]).any()
+        assert np.all(np.asarray(results[1].write_slots["full"][actual:bucket]) < P)
+
+
+def test_R1_capture_refresh_over_placeholder_tables():
+    buffers = DecodeBuffers.create(ROUTER, 8, 1)
+    buffers = refresh_decode_metadata_jit(buffers, np.zeros((8, 3 + MAX_BLOCKS), np.int32), np.int32(0), bs=8, router=ROUTER)
+    assert not np.asarray(buffers.page_tables["full"]).any() and not np.asarray(buffers.seq_lens).any()
+    assert np.all(np.asarray(buffers.write_slots["full"]) < P)
+
+
+def test_R5_write_locations_is_mode_checked():
+    buffers = DecodeBuffers.create(ROUTER, 4, 1)
+    ctx = ForwardContext.for_decode(buffers, 4, CFG.layer_leaves)
+    assert ctx.write_locations(0, "decode").shape == (4,)
+    with pytest.raises(ValueError, match="mode='extend'.* 'decode' forward"):
+        ctx.write_locations(0, "extend")
+
+
+def test_extend_metadata_is_request_major_and_refuses_pure_decode():
+    inputs = ExtendInputs(extend_lens=(3, 2), prefix_lens=(0, 17), slots=(4, 9), token_ids=(1, 2, 3, 4, 5), block_tables={"main": [[2], [5, 6]]})
+    ctx = build_extend_metadata(ROUTER, CFG.layer_leaves, inputs=inputs)
+    assert np.asarray(ctx.positions[:, 0]).tolist() == [0, 1, 2, 17, 18]
+    expected = [2 * G + 0, 2 * G + 1, 2 * G + 2, 6 * G + 1, 6 * G + 2]
+    assert np.asarray(ctx.write_locations(0, "extend")).tolist() == expected
+    assert np.asarray(ctx.slots).tolist() == [4, 4, 4, 9, 9]
+    with pytest.raises(ValueError, match="pure decode batch"):
+        build_extend_metadata(ROUTER, CFG.layer_leaves, inputs=dataclasses.replace(inputs, extend_lens=(1, 1), prefix_lens=(5, 17), token_ids=(1, 2)))
+    with pytest.raises(TypeError):
+        build_extend_metadata(ROUTER, CFG.layer_leaves, inputs)  # the bundle is keyword-only
+
+
+# -- the runner ------------------------------------------------------------------------------
+
+def test_R2_above_ladder_decode_matches_eager():
+    rng = np.random.default_rng(1)
+    rows = random_rows(rng, 11)
+    bucketed = make_runner()
+    bucketed.capture(progress=None)
+    eager = make_runner(RunnerConfig(max_decode_bs=12, max_capture_bs=8, capture_ladder=(1, 2, 4, 8), enforce_eager=True))
+    for params in ({r.slot: SamplingParams(temperature=0.0) for r in rows}).items():
+        bucketed.set_sampling(*params)
+        eager.set_sampling(*params)
+    assert bucketed.bucket_for(11) == 11
+    np.testing.assert_array_equal(bucketed.step(rows), eager.step(rows))
+    # Page 0 differs by design: capture ran padded rows, which write there.
+    np.testing.assert_allclose(np.asarray(bucketed.pool.k)[:, 1:], np.asarray(eager.pool.k)[:, 1:], atol=1e-6)
+
+
+def test_R4_no_trace_or_compile_after_warmup_over_1000_steps(monkeypatch):
+    monkeypatch.setenv("DECODEJAX_GRAPH_DEBUG", "1")
+    runner = make_runner()
+    runner.capture(progress=None)
+    rng = np.random.default_rng(2)
+    batches = [random_rows(rng, n) for n in rng.integers(1, 9, 20)]
+    before = compile_events()
+    for i in range(1000):
+        runner.step(batches[i % len(batches)])
+    assert compile_events() == before
+
+
+def test_R4_guard_names_a_rebound_leaf_by_its_path(monkeypatch):
+    monkeypatch.setenv("DECODEJAX_GRAPH_DEBUG", "1")
+    runner = make_runner()
+    runner.capture(progress=None)
+    rows = random_rows(np.random.default_rng(3), 3)
+    runner.step(rows)
+    runner.buffers = dataclasses.replace(runner.buffers, seq_lens=jnp.array(np.asarray(runner.buffers.seq_lens)))
+    with pytest.raises(GraphDebugError, match=r"buffers\.seq_lens"):
+        runner.step(rows)
+
+
+def test_R3_padded_rows_with_nan_activations_never_touch_live_pages():
+    params = toy.init_params(CFG)
+    params["embed"] = params["embed"].at[0].set(jnp.nan)  # padded rows carry token 0: NaN activations
+    rng = np.random.default_rng(4)
+    rows = random_rows(rng, 5, min_token=1)
+    padded = make_runner(params=params)
+    padded.capture(progress=None)
+    exact = make_runner(params=params, config=RunnerConfig(max_decode_bs=12, max_capture_bs=8, enforce_eager=True))
+    assert padded.bucket_for(5) == 8
+    out_padded, out_exact = padded.step(rows), exact.step(rows)
+    np.testing.assert_array_equal(out_padded, out_exact)
+    k_pad, k_exact = np.asarray(padded.pool.k), np.asarray(exact.pool.k)
+    live_pages = np.arange(1, NUM_PAGES)
+    np.testing.assert_allclose(k_pad[:, live_pages].sum(), k_exact[:, live_pages].sum(), rtol=1e-6)
+    assert not np.isnan(k_pad[:, live_pages]).any()
+    assert np.isnan(k_pad[:, 0]).any()  # padded rows wrote page 0 ...
+    assert not k_exact[:, 0].any()  # ... and only padded rows do
+
+
+def test_R1_a_bucket_reused_with_100_table_sets_matches_eager_every_step():
+    runner = make_runner()
+    runner.capture(progress=None)
+    eager = make_runner(RunnerConfig(max_decode_bs=12, max_capture_bs=8, enforce_eager=True))
+    rng = np.random.default_rng(5)
+    for step in range(100):
+        rows = random_rows(rng, int(rng.integers(5, 9)))  # bucket 8 every step
+        np.testing.assert_array_equal(runner.step(rows), eager.step(rows), err_msg=f"step {step}")
+    np.testing.assert_allclose(np.asarray(runner.pool.k)[:, 1:], np.asarray(eager.pool.k)[:, 1:], atol=1e-5)
+
+
+class NoBuckets(BackendNode):
+    supports_buckets = {"decode": False, "prefill": False}
+
+
+def test_R6_bucket_support_is_and_composed_and_culprits_logged(caplog):
+    leaf = AttentionLeafBackend("full", (0, 1), P, CFG.kv_heads, CFG.head_dim, "float32")
+    with caplog.at_level(logging.WARNING, logger="decodejax.runner"):
+        runner = make_runner(backends=[leaf, NoBuckets()])
+    assert not runner.bucketed and "NoBuckets" in caplog.text
+    assert runner.capture(progress=None) == {} and runner.bucket_for(3) == 3
+
+
+def test_R6_capture_failure_is_fatal():
+    def broken(params, pool, ctx):
+        raise RuntimeError("no kernel for this bucket")
+
+    runner = make_runner(forward=broken)
+    with pytest.raises(CaptureError, match="bs=1"):
+        runner.capture(progress=None)
+
+
+def test_R7_rejected_rebind_changes_nothing_accepted_rebind_publishes():
+    runner = make_runner()
+    runner.capture(progress=None)
+    runner.step(random_rows(np.random.default_rng(6), 2))
+    pool_before, buffers_before = runner.pool, runner.buffers
+    wrong = KVPool.create(CFG.num_layers, NUM_PAGES, 16, CFG.kv_heads, CFG.head_dim, jnp.float32)
+    with pytest.raises(RebindError, match=r"pool pages \[P=16"):
+        runner.rebind_pool(wrong)
+    assert runner.pool is pool_before and runner.buffers is buffers_before and runner._executables
+    bigger = KVPool.create(CFG.num_layers, 2 * NUM_PAGES, P, CFG.kv_heads, CFG.head_dim, jnp.float32)
+    runner.rebind_pool(bigger)
+    assert runner.pool is bigger and not runner._executables
