@@ -276,8 +276,8 @@ class DecodeRunner:
     def set_sampling(self, slot: int, params: SamplingParams) -> None:
         self.sampling = self.sampling.set(slot, params)
 
-    def step(self, rows: list[DecodeRow]) -> np.ndarray:
-        """Runs one decode step; returns i32[len(rows), N + 1] (tokens, then accept_len)."""
+    def submit(self, rows: list[DecodeRow]) -> int:
+        """Validates and packs the batch, then dispatches one step (asynchronously); returns actual_bs."""
         actual = len(rows)
         if actual == 0:
             raise ValueError("a decode step needs at least one row")
@@ -288,7 +288,15 @@ class DecodeRunner:
         else:
             self.pool, self.buffers = self._executable(bs)(self.params, self.pool, self.buffers, self.sampling, batch, np.int32(actual))
             self.guard.check({"pool": self.pool, "buffers": self.buffers})
-        return np.asarray(self.buffers.sampled)[:actual]  # the one device-to-host copy
+        return actual
+
+    def fetch(self, actual_bs: int) -> np.ndarray:
+        """The step's i32[actual_bs, N + 1] (tokens, then accept_len): one device-to-host copy."""
+        return np.asarray(self.buffers.sampled)[:actual_bs]
+
+    def step(self, rows: list[DecodeRow]) -> np.ndarray:
+        """Runs one decode step; returns i32[len(rows), N + 1] (tokens, then accept_len)."""
+        return self.fetch(self.submit(rows))
 
     # -- pool rebind ------------------------------------------------------------------------
     def rebind_pool(self, pool: KVPool) -> None:

@@ -232,7 +232,7 @@ def test_extend_metadata_is_request_major_and_refuses_pure_decode():
 
 # -- the runner ------------------------------------------------------------------------------
 
-def test_R2_above_ladder_decode_matches_eager():
+def test_R2_above_ladder_decode_matches_eager(caplog):
     rng = np.random.default_rng(1)
     rows = random_rows(rng, 11)
     bucketed = make_runner()
@@ -242,7 +242,10 @@ def test_R2_above_ladder_decode_matches_eager():
         bucketed.set_sampling(*params)
         eager.set_sampling(*params)
     assert bucketed.bucket_for(11) == 11
-    np.testing.assert_array_equal(bucketed.step(rows), eager.step(rows))
+    with caplog.at_level(logging.WARNING, logger="decodejax.runner"):
+        np.testing.assert_array_equal(bucketed.step(rows), eager.step(rows))
+        bucketed.step(rows)
+    assert caplog.text.count("11 rows is above the capture ladder") == 1  # announced once per size
     # Page 0 differs by design: capture ran padded rows, which write there.
     np.testing.assert_allclose(np.asarray(bucketed.pool.k)[:, 1:], np.asarray(eager.pool.k)[:, 1:], atol=1e-6)
 
@@ -333,3 +336,27 @@ def test_R7_rejected_rebind_changes_nothing_accepted_rebind_publishes():
     bigger = KVPool.create(CFG.num_layers, 2 * NUM_PAGES, P, CFG.kv_heads, CFG.head_dim, jnp.float32)
     runner.rebind_pool(bigger)
     assert runner.pool is bigger and not runner._executables
+
+
+def test_capture_uses_the_persistent_compilation_cache(tmp_path):
+    """In a fresh process (the cache directory is process-global): capture fills the cache."""
+    import subprocess
+    import sys
+
+    script = f"""
+import functools, jax.numpy as jnp
+from decodejax.cache import CacheGroup, CacheGroupRouter, KVPool, Leaf
+from decodejax.runner import AttentionLeafBackend, DecodeRunner, RunnerConfig
+from models import toy
+cfg = toy.ToyConfig()
+router = CacheGroupRouter((CacheGroup("main", 16, 4),), (Leaf("full", "main", 8),))
+pool = KVPool.create(cfg.num_layers, 32, 8, cfg.kv_heads, cfg.head_dim, jnp.float32)
+runner = DecodeRunner(functools.partial(toy.forward, cfg), toy.init_params(cfg), pool, router, cfg.layer_leaves,
+    [AttentionLeafBackend("full", (0, 1), 8, cfg.kv_heads, cfg.head_dim, "float32")],
+    RunnerConfig(max_decode_bs=2, max_capture_bs=2, compilation_cache_dir={str(tmp_path)!r}), vocab_size=cfg.vocab_size, max_requests=4)
+print(sorted(runner.capture(progress=None)))
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "[1, 2]" in out.stdout
+    assert any(tmp_path.iterdir()), "no compiled executable was written to the cache"
