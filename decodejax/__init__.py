@@ -1,7 +1,9 @@
 """decodejax: exact, fast paged decode attention and a decode runtime for JAX."""
 
 from decodejax import addressing, planning, reference, split_state
-from decodejax._ops import backends, decode_attention, gather_pages, merge_states
+from decodejax import dispatch
+from decodejax._ops import decode_attention, gather_pages, merge_states
+from decodejax.dispatch import backends, explain, select
 from decodejax.addressing import AddressingError, KVLayout
 from decodejax.masks import DecodeMask
 from decodejax.planning import SplitPlan
@@ -17,6 +19,9 @@ __all__ = [
     "addressing",
     "backends",
     "decode_attention",
+    "dispatch",
+    "explain",
+    "select",
     "gather_pages",
     "merge_states",
     "planning",

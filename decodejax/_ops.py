@@ -1,14 +1,13 @@
-"""Public ops: `decode_attention`, `merge_states`, `gather_pages`, and their backends.
+"""Public ops: `decode_attention`, `merge_states`, `gather_pages`.
 
 Every op validates its arguments (ValueError naming the parameter and value) before any
-launch, then runs one backend:
+launch, builds its DispatchKey and runs the backend `decodejax.dispatch.select` chooses:
 
-    "xla"                        the float32 reference (decodejax.reference); every platform
     "pallas_triton"              the Pallas kernels lowered through Triton; NVIDIA GPUs
-    "pallas_triton_interpret"    the same kernels in Pallas interpret mode; runs on CPU
+    "xla"                        the float32 reference (decodejax.reference); every platform
+    "pallas_triton_interpret"    the same Pallas kernels in interpret mode; runs on CPU
 
-`backend="auto"` is resolved by `_auto_backend`: the Pallas kernel on a GPU, the XLA
-reference elsewhere. The dispatch layer will replace that one function.
+Selection happens at trace time, so under jit it runs once per compiled shape.
 """
 
 from __future__ import annotations
@@ -18,33 +17,15 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
-from decodejax import addressing, planning, reference, split_state
+from decodejax import addressing, dispatch, planning, reference, split_state
 from decodejax.addressing import KVLayout
 from decodejax.masks import DecodeMask
 
-_BACKENDS = ("xla", "pallas_triton", "pallas_triton_interpret")
 _KV_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 # Deterministic (batch-invariant) mode: every request is cut into chunks of this many tokens,
 # whatever its neighbours, so its splits and their merge order depend on it alone.
 DETERMINISTIC_CHUNK = 1024
 H200_SMS = 132
-
-
-def backends() -> tuple[str, ...]:
-    """Names accepted by `backend=` (besides "auto")."""
-    return _BACKENDS
-
-
-def _auto_backend() -> str:
-    return "pallas_triton" if jax.default_backend() == "gpu" else "xla"
-
-
-def _resolve_backend(backend: str) -> str:
-    if backend == "auto":
-        return _auto_backend()
-    if backend not in _BACKENDS:
-        raise ValueError(f"backend={backend!r} is not one of {('auto',) + _BACKENDS}")
-    return backend
 
 
 def _is_concrete(*xs) -> bool:
@@ -128,6 +109,7 @@ def decode_attention(
     deterministic: bool = False,
     num_splits: int | None = None,
     config=None,
+    dense_mask: jax.Array | None = None,  # bool[B, W * P]
     backend: str = "auto",
 ):
     """Paged decode attention: one query row per request over its cached keys.
@@ -154,16 +136,24 @@ def decode_attention(
         identical whatever its neighbours and the batch size.
       num_splits: split count; default from planning.decode_num_splits.
       config: pallas_kernels.decode_attention.DecodeConfig; default from its default_config.
-      backend: "auto" or one of `backends()`.
+      dense_mask: optional bool[B, W * P], an application mask ANDed with the causal/window
+        visibility (mask_kind dense_custom: admitted by the XLA backend only).
+      backend: "auto" or one of `decodejax.backends()`; see `decodejax.explain`.
 
     Returns:
       o [B, H_q, D] in q.dtype; with return_lse, (o, lse); with return_partial_states, the
       LseState of every split slot is appended.
     """
     _validate_decode_args(q, k_pages, v_pages, page_table, seq_lens, cache_batch_idx, layout)
-    backend = _resolve_backend(backend)
     B, H_q, D = q.shape
     num_pages, P, H_kv, _ = addressing.pool_geometry(k_pages, layout)
+    if dense_mask is not None and dense_mask.shape != (B, page_table.shape[1] * P):
+        raise ValueError(f"dense_mask must be bool[B={B}, W*P={page_table.shape[1] * P}]; got {dense_mask.shape}")
+    key = dispatch.DispatchKey.from_call(
+        q, k_pages, layout=layout, page_table=page_table, soft_cap=soft_cap, window_left=window_left, sinks=sinks,
+        deterministic=deterministic, mask_kind="causal" if dense_mask is None else "dense_custom", backend=backend,
+    )
+    backend = dispatch.select(key).backend
     sm_scale = float(D**-0.5 if sm_scale is None else sm_scale)
     mask = DecodeMask(window_left, sinks)
     if backend == "xla":
@@ -171,7 +161,7 @@ def decode_attention(
             raise ValueError("return_partial_states=True needs a Pallas backend, got backend='xla'")
         o, lse = reference.paged_decode(
             q, k_pages, v_pages, page_table, seq_lens, layout=layout, cache_batch_idx=cache_batch_idx,
-            sm_scale=sm_scale, soft_cap=soft_cap, mask=mask,
+            sm_scale=sm_scale, soft_cap=soft_cap, mask=mask, dense_mask=dense_mask,
         )
         o = o.astype(q.dtype)
         return (o, lse) if return_lse else o
@@ -214,7 +204,14 @@ def merge_states(o: jax.Array, lse: jax.Array, *, backend: str = "auto") -> tupl
         raise ValueError(f"o must be [..., S, D]; got shape {o.shape}")
     if lse.shape != o.shape[:-1]:
         raise ValueError(f"lse must be o.shape[:-1] = {o.shape[:-1]}; got {lse.shape}")
-    backend = _resolve_backend(backend)
+    *_, S, D = o.shape
+    dtype = str(jnp.dtype(o.dtype))
+    key = dispatch.DispatchKey(
+        *dispatch.DispatchKey.environment(), operation="merge_states", phase="decode", q_dtype=dtype, kv_dtype=dtype,
+        q_len=1, kv_len=S, num_q_heads=1, num_kv_heads=1, head_dim_qk=D, head_dim_v=D,
+        cache_layout=KVLayout.CONTIGUOUS_NHD.value, page_size=None, backend_request=backend,
+    )
+    backend = dispatch.select(key).backend
     if backend == "xla":
         state = split_state.LseState(valid=lse > -jnp.inf, lse=lse.astype(jnp.float32), o=o.astype(jnp.float32))
         merged = split_state.merge_lse_along(state, axis=-1)
@@ -245,7 +242,13 @@ def gather_pages(
             cache_batch_idx=None if cache_batch_idx is None else np.asarray(cache_batch_idx),
         )
     max_len = page_table.shape[1] * P if max_len is None else max_len
-    backend = _resolve_backend(backend)
+    dtype = str(jnp.dtype(pages.dtype))
+    key = dispatch.DispatchKey(
+        *dispatch.DispatchKey.environment(), operation="gather_pages", phase="decode", q_dtype=dtype, kv_dtype=dtype,
+        q_len=1, kv_len=max_len, num_q_heads=H_kv, num_kv_heads=H_kv, head_dim_qk=D, head_dim_v=D,
+        cache_layout=layout.value, page_size=P, backend_request=backend,
+    )
+    backend = dispatch.select(key).backend
     if backend == "xla":
         return reference.gather_pages(pages, page_table, seq_lens, layout=layout, cache_batch_idx=cache_batch_idx, max_len=max_len)
     from pallas_kernels import page_gather

@@ -37,6 +37,7 @@ def attention(
     sm_scale: float | None = None,
     soft_cap: float | None = None,
     mask: DecodeMask = DecodeMask(),
+    dense_mask: jax.Array | None = None,  # bool[B, T] or bool[B, C, T]
     dtype=jnp.float32,
 ) -> tuple[jax.Array, jax.Array]:
     """C query rows per request after kv_lens - C committed rows, bottom-right causal.
@@ -49,6 +50,8 @@ def attention(
       sm_scale: score scale, default 1 / sqrt(D).
       soft_cap: optional logits soft cap c: s -> c * tanh(s / c).
       mask: sliding window and sinks.
+      dense_mask: optional application mask ANDed with the visibility (a [B, T] mask applies
+        to every query row).
       dtype: compute and output dtype (float32, or float64 with jax_enable_x64).
 
     Returns:
@@ -67,6 +70,8 @@ def attention(
     allowed = visible(
         q_pos[:, :, None], k_pos[None, None, :], kv_lens[:, None, None], mask
     )  # [B, C, T]
+    if dense_mask is not None:
+        allowed &= dense_mask if dense_mask.ndim == 3 else dense_mask[:, None, :]
     allowed = jnp.broadcast_to(allowed[:, :, None, None, :], s.shape)
     values = jnp.transpose(v.astype(dtype), (0, 2, 1, 3))[:, None, :, None]  # [B, 1, H_kv, 1, T, Dv]
     state = split_state.summarize(s, values, allowed)

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from decodejax import dispatch
 from decodejax.cache import CacheGroupRouter, KVPool
 from decodejax.metadata import DecodeBuffers, DecodeRow, ForwardContext, pack_decode_batch, packed_width, refresh_decode_metadata
 from decodejax.sampling import SamplingParams, SamplingPool, sample_window
@@ -218,6 +219,7 @@ class DecodeRunner:
         self.guard = GraphGuard()
         self.capture_seconds: dict[int, float] = {}
         self._executables: dict[int, Callable] = {}
+        self.selections: dict[int, tuple] = {}  # bucket -> the dispatch selections of its trace
         self._announced: set[int] = set()
 
     # -- start-up ---------------------------------------------------------------------------
@@ -225,9 +227,13 @@ class DecodeRunner:
         return dict(bs=bs, router=self.router, layer_leaves=self.layer_leaves, model_forward=self.model_forward)
 
     def _compile(self, bs: int):
+        """AOT-compiles the step for bs; records the backend selections made while tracing it."""
         batch = jax.ShapeDtypeStruct((bs, packed_width(self.router, self.config.window)), jnp.int32)
         actual = jax.ShapeDtypeStruct((), jnp.int32)
-        return _donating_step.lower(self.params, self.pool, self.buffers, self.sampling, batch, actual, **self._statics(bs)).compile()
+        with dispatch.capturing(), dispatch.recording() as selections:
+            lowered = _donating_step.lower(self.params, self.pool, self.buffers, self.sampling, batch, actual, **self._statics(bs))
+        self.selections[bs] = tuple(selections)
+        return lowered.compile()
 
     def capture(self, progress=sys.stderr) -> dict[int, float]:
         """Compiles every bucket of the ladder and runs it once on placeholder tables (actual_bs = 0).

@@ -212,13 +212,31 @@ def test_lowered_decode_step_contains_the_named_kernels():
     k = jax.ShapeDtypeStruct((64, 16, 8, 128), jnp.bfloat16)
     table = jax.ShapeDtypeStruct((4, 16), jnp.int32)
     lens = jax.ShapeDtypeStruct((4,), jnp.int32)
-    step = jax.jit(lambda q, k, v, t, l: decodejax.decode_attention(q, k, v, t, l, backend="pallas_triton", num_splits=4))
-    text = step.trace(q, k, k, table, lens).lower(lowering_platforms=("cuda",)).as_text()
-    assert "decodejax_paged_decode" in text and "decodejax_merge_states" in text
-    gather = jax.jit(lambda p, t, l: decodejax.gather_pages(p, t, l, backend="pallas_triton"))
-    assert "decodejax_gather_pages" in gather.trace(k, table, lens).lower(lowering_platforms=("cuda",)).as_text()
+    with decodejax.dispatch.targeting("gpu", "9.0"):
+        step = jax.jit(lambda q, k, v, t, l: decodejax.decode_attention(q, k, v, t, l, num_splits=4))
+        text = step.trace(q, k, k, table, lens).lower(lowering_platforms=("cuda",)).as_text()
+        assert "decodejax_paged_decode" in text and "decodejax_merge_states" in text
+        gather = jax.jit(lambda p, t, l: decodejax.gather_pages(p, t, l))
+        assert "decodejax_gather_pages" in gather.trace(k, table, lens).lower(lowering_platforms=("cuda",)).as_text()
 
 
-def test_backends_and_auto_choice_on_cpu():
-    assert set(decodejax.backends()) == {"xla", "pallas_triton", "pallas_triton_interpret"}
-    assert decodejax._ops._auto_backend() == ("pallas_triton" if jax.default_backend() == "gpu" else "xla")
+def test_backends_and_auto_choice_on_this_platform():
+    assert {"xla", "pallas_triton", "pallas_triton_interpret", "cudnn"} <= set(decodejax.backends())
+    problem = make_problem(SPECS[0], np.random.default_rng(12))
+    args = to_device(problem, jnp.bfloat16)
+    key = decodejax.dispatch.DispatchKey.from_call(args["q"], args["k_pages"], layout=KVLayout.PAGED_NHD, page_table=args["page_table"])
+    assert decodejax.select(key).backend == ("pallas_triton" if jax.default_backend() == "gpu" else "xla")
+
+
+def test_dense_mask_runs_on_the_xla_backend_and_is_refused_by_the_kernel():
+    problem = make_problem(SPECS[0], np.random.default_rng(13))
+    args = to_device(problem, jnp.float32)
+    dense = jnp.asarray(np.random.default_rng(14).random((6, SPECS[0].max_len)) > 0.3)
+    o, lse = decodejax.decode_attention(**args, dense_mask=dense, return_lse=True)
+    ref_o, ref_lse = oracle(args, KVLayout.PAGED_NHD)
+    masked = reference.paged_decode(args["q"], args["k_pages"], args["v_pages"], args["page_table"], args["seq_lens"],
+                                    cache_batch_idx=args["cache_batch_idx"], dense_mask=dense)
+    np.testing.assert_allclose(np.asarray(o), np.asarray(masked[0]), atol=1e-6)
+    assert not np.allclose(np.asarray(o), np.asarray(ref_o), atol=1e-3)  # the mask changed the result
+    with pytest.raises(decodejax.dispatch.AdmissionError, match="mask_kind=dense_custom"):
+        decodejax.decode_attention(**args, dense_mask=dense, backend="pallas_triton_interpret")
