@@ -132,7 +132,10 @@ def main(argv=None):
     parser.add_argument("--tune", default="", help="comma-separated case names to sweep DecodeConfig on")
     args = parser.parse_args(argv)
     if args.report:
-        print(render_table(json.load(open(args.report))))
+        results = json.load(open(args.report))
+        results["comparisons"] = comparisons(results)
+        json.dump(results, open(args.report, "w"), indent=1)
+        print(render_table(results))
         return
     import jax
 
@@ -166,8 +169,37 @@ def main(argv=None):
                     }
                 elif raw:
                     entry["variants"][f"flashinfer/tensor_cores={tc}"] = {"error": raw.get("error", "")}
+    results["comparisons"] = comparisons(results)
     json.dump(results, open(args.out, "w"), indent=1)
     print(render_table(results))
+
+
+PEERS = {"flashinfer": "flashinfer/", "jax_builtin_pallas": "jax_builtin_pallas/", "cudnn_contiguous": "cudnn_contiguous", "xla_gather_reference": "xla_gather_reference"}
+
+
+def comparisons(results) -> dict:
+    """Speedup estimators of decodejax (auto, NHD) over each peer's best variant, on the target cases.
+
+    Rows go through decodejax.evidence.compare, which refuses rows that differ in scope, phase,
+    metric, GPU, precision, workload or statistic.
+    """
+    from decodejax import evidence
+
+    def row(case, variant):
+        return {"case": case, "scope": "kernel call (jit, back-to-back)", "phase": "decode", "metric": "latency",
+                "gpu": results["machine"]["device"], "precision": "bf16", "workload": "paged decode, same data per case",
+                "statistic": "median", "median_us": variant["median_us"]}
+
+    ours, peers = [], {name: [] for name in PEERS}
+    for case, entry in results["cases"].items():
+        if "target" not in entry["case"]["tags"] or "median_us" not in entry["variants"].get("decodejax/nhd/auto", {}):
+            continue
+        ours.append(row(case, entry["variants"]["decodejax/nhd/auto"]))
+        for name, prefix in PEERS.items():
+            _, best = _best(entry["variants"], prefix)
+            if best:
+                peers[name].append(row(case, best))
+    return {name: evidence.compare(rows, ours) for name, rows in peers.items() if rows}
 
 
 def _best(variants, prefix):
@@ -206,6 +238,13 @@ def render_table(results) -> str:
             f"{fmt(var.get('cudnn_contiguous'))} | {fmt(fi)}{' (' + fi_name.split('/')[1] + ')' if fi else ''} | "
             f"{ratio(bi)} | {ratio(fi)} |"
         )
+    if results.get("comparisons"):
+        lines += ["", "Speedup of decodejax (auto) over each peer's best variant on the five target shapes "
+                  "(peer median / decodejax median; `decodejax.evidence.ratio_estimators`):", "",
+                  "| peer | arithmetic mean of ratios | ratio of summed times | geometric mean | max | per case |", "|---|---|---|---|---|---|"]
+        for name, est in results["comparisons"].items():
+            per_case = ", ".join(f"{c}: {r:.2f}" for c, r in est["ratios"].items())
+            lines.append(f"| {name} | {est['arithmetic_mean_of_ratios']:.2f} | {est['ratio_of_sums']:.2f} | {est['geometric_mean']:.2f} | {est['max']:.2f} | {per_case} |")
     lines += ["", "Split-count sweep (decodejax, NHD), median us:", ""]
     header = "| case | " + " | ".join(f"S={s}" for s in SPLIT_SWEEP) + " | auto | deterministic |"
     lines += [header, "|" + "---|" * (len(SPLIT_SWEEP) + 3)]

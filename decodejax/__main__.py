@@ -17,7 +17,24 @@ def main(argv=None) -> int:
     ex.add_argument("--mask", default="causal", choices=("causal", "dense_custom"))
     ex.add_argument("--bucket-mode", action="store_true")
     ex.add_argument("--backend", default="auto")
+    ev = sub.add_parser("evidence", help="write the evidence bundle of one paged decode call")
+    ev.add_argument("--shape", required=True, help="B,T,H_q,H_kv,D,P")
+    ev.add_argument("--out", default="evidence")
+    ev.add_argument("--backend", default="auto")
+    ev.add_argument("--dtype", default="bfloat16")
+    ev.add_argument("--samples", type=int, default=30)
     args = parser.parse_args(argv)
+    if args.command == "evidence":
+        import jax.numpy as jnp
+
+        from decodejax import evidence
+
+        shape = tuple(int(x) for x in args.shape.split(","))
+        bundle = evidence.collect(shape, dtype=jnp.dtype(args.dtype), backend=args.backend, samples=args.samples)
+        path = evidence.write_bundle(bundle, args.out)
+        print(f"{path}: backend {bundle['selection']['selected']}, evidence level {bundle['evidence_level']}, "
+              f"median {bundle['timing']['median_us']:.1f} us, correctness {'passed' if bundle['correctness']['passed'] else 'FAILED'}")
+        return 0 if bundle["correctness"]["passed"] else 1
     if args.command == "explain":
         from decodejax import dispatch
 

@@ -1,0 +1,69 @@
+"""Evidence bundles (ladder levels bounded by their fields) and the comparison estimators."""
+
+import copy
+import json
+import subprocess
+import sys
+
+import pytest
+
+from decodejax import evidence
+
+
+@pytest.fixture(scope="module")
+def bundle():
+    return evidence.collect((2, 64, 8, 2, 64, 16), samples=20)
+
+
+def test_bundle_binds_key_selection_correctness_and_samples(bundle):
+    assert bundle["selection"]["digest"] == bundle["digest"] and len(bundle["digest"]) == 64
+    assert bundle["selection"]["selected"] == "xla"  # on this CPU machine
+    assert any(c["backend"] == "pallas_triton_interpret" for c in bundle["selection"]["candidates"])
+    assert bundle["correctness"]["passed"] and bundle["correctness"]["tolerances"]["o_abs"] == 2e-2
+    t = bundle["timing"]
+    assert len(t["samples_us"]) >= 20 and t["min_us"] <= t["median_us"] <= t["p95_us"] <= t["max_us"]
+    assert bundle["loaded_artifacts"] and all(len(a["sha256"]) == 64 for a in bundle["loaded_artifacts"])
+    assert all(c["present"] for c in bundle["source"]["chain"])
+    json.dumps(bundle)  # serializable
+
+
+def test_level_never_exceeds_what_the_fields_support(bundle):
+    # The XLA backend has no named kernel: no execution evidence, so the ladder stops at 4.
+    assert bundle["execution"]["compiled_has_kernel"] is False
+    assert evidence.evidence_level(bundle) == bundle["evidence_level"] == 4
+    forged = copy.deepcopy(bundle)
+    forged["execution"] = {"compiled_has_kernel": True, "profile": {"names_kernel": True}}
+    assert evidence.evidence_level(forged) == 6  # measured, correct and now "executed"
+    forged["correctness"]["passed"] = False
+    assert evidence.evidence_level(forged) == 5
+    forged["selection"]["digest"] = "0" * 64  # selection not bound to this key
+    assert evidence.evidence_level(forged) == 3
+    forged["loaded_artifacts"] = []
+    assert evidence.evidence_level(forged) == 2
+
+
+def test_estimators_answer_different_questions():
+    base = {"a": 100.0, "b": 10.0}
+    cand = {"a": 50.0, "b": 20.0}  # 2x faster on a, 2x slower on b
+    est = evidence.ratio_estimators(base, cand)
+    assert est["ratios"] == {"a": 2.0, "b": 0.5}
+    assert est["arithmetic_mean_of_ratios"] == 1.25
+    assert est["geometric_mean"] == pytest.approx(1.0)
+    assert est["ratio_of_sums"] == pytest.approx(110 / 70)
+    assert est["max"] == 2.0
+
+
+def test_rows_that_differ_in_a_comparability_field_are_not_ranked():
+    row = {"case": "x", "scope": "kernel", "phase": "decode", "metric": "latency", "gpu": "H200", "precision": "bf16", "workload": "w", "statistic": "median", "median_us": 1.0}
+    other = dict(row, gpu="H100", statistic="min", median_us=2.0)
+    with pytest.raises(evidence.NotComparable, match="gpu: 'H200' vs 'H100'; statistic: 'median' vs 'min'"):
+        evidence.compare([row], [other])
+    assert evidence.compare([row], [dict(row, median_us=0.5)])["max"] == 2.0
+
+
+def test_evidence_cli_writes_a_bundle(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "decodejax", "evidence", "--shape", "1,32,4,4,64,8", "--out", str(tmp_path), "--samples", "20"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    files = list(tmp_path.glob("evidence_*.json"))
+    assert len(files) == 1 and json.loads(files[0].read_text())["evidence_level"] == 4
