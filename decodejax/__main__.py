@@ -23,7 +23,16 @@ def main(argv=None) -> int:
     ev.add_argument("--backend", default="auto")
     ev.add_argument("--dtype", default="bfloat16")
     ev.add_argument("--samples", type=int, default=30)
+    gen = sub.add_parser("generate", help="generate text with a model on the paged cache")
+    gen.add_argument("--model", default="tiny", help="a preset (tiny, llama3-1b, llama3-8b, qwen2-0.5b) or a Hugging Face directory")
+    gen.add_argument("--prompt", default="The decode phase of inference")
+    gen.add_argument("--max-new-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--dtype", default="float32")
     args = parser.parse_args(argv)
+    if args.command == "generate":
+        return _generate(args)
     if args.command == "evidence":
         import jax.numpy as jnp
 
@@ -53,6 +62,37 @@ def main(argv=None) -> int:
 
         return _selfcheck.main()
     return 2
+
+
+def _generate(args) -> int:
+    import os
+    import time
+
+    import jax.numpy as jnp
+
+    from decodejax.engine import Engine, EngineConfig, HFTokenizer
+    from decodejax.sampling import SamplingParams
+    from models import llama
+
+    dtype = jnp.dtype(args.dtype)
+    tokenizer = None
+    if os.path.isdir(args.model):
+        model = llama.from_pretrained(args.model, dtype=dtype)
+        if os.path.exists(os.path.join(args.model, "tokenizer.json")):
+            tokenizer = HFTokenizer(os.path.join(args.model, "tokenizer.json"))
+    else:
+        model = llama.random(args.model, dtype=dtype)
+    context = min(model.config.max_position_embeddings, 4096)
+    engine = Engine(model, EngineConfig(max_batch=1, max_context=context, kv_dtype=args.dtype,
+                                        prefill_token_budget=256), tokenizer=tokenizer)
+    params = SamplingParams(temperature=args.temperature, seed=args.seed, max_new_tokens=args.max_new_tokens)
+    t0 = time.perf_counter()
+    result = engine.generate([args.prompt], params)[0]
+    seconds = time.perf_counter() - t0
+    print(f"{args.prompt}{result.text}")
+    print(f"[{len(result.token_ids)} tokens in {seconds:.2f} s: {len(result.token_ids) / seconds:.1f} tokens/s; "
+          f"finish: {result.finish_reason}; capture {sum(engine.capture_seconds.values()):.1f} s]")
+    return 0
 
 
 if __name__ == "__main__":

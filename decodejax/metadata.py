@@ -251,13 +251,14 @@ class ExtendInputs:
     block_tables: dict
 
 
-def build_extend_metadata(router: CacheGroupRouter, layer_leaves: tuple[str, ...], *, inputs: ExtendInputs) -> ForwardContext:
+def build_extend_metadata(router: CacheGroupRouter, layer_leaves: tuple[str, ...], *, inputs: ExtendInputs, pad_to: int | None = None) -> ForwardContext:
     """Extend metadata with dynamic shapes per forward: one context row per new token.
 
     The new tokens are packed request-major (qo_indptr order); token i of request b sits at
     position T_b + i, is written to its slot and sees [0, T_b + i + 1). A pure decode batch
     (every request one new token after a cached prefix) is refused: it belongs to the
-    bucketed decode path.
+    bucketed decode path. `pad_to` appends padding rows (token 0, page 0, seq_len 0, write
+    slots inside page 0) up to a bucketed token count.
     """
     C = np.asarray(inputs.extend_lens, np.int64)
     T = np.asarray(inputs.prefix_lens, np.int64)
@@ -270,9 +271,15 @@ def build_extend_metadata(router: CacheGroupRouter, layer_leaves: tuple[str, ...
     if len(inputs.token_ids) != C.sum():
         raise ValueError(f"token_ids has {len(inputs.token_ids)} ids, extend_lens sum to {int(C.sum())}")
     router.check_groups(inputs.block_tables)
-    req = np.repeat(np.arange(len(C)), C)
-    pos = (T[req] + np.arange(C.sum()) - np.repeat(np.concatenate([[0], np.cumsum(C)[:-1]]), C)).astype(np.int32)
-    live = jnp.ones(len(req), bool)
+    total = int(C.sum())
+    pad_to = total if pad_to is None else pad_to
+    if pad_to < total:
+        raise ValueError(f"pad_to={pad_to} is smaller than the {total} new tokens")
+    req = np.concatenate([np.repeat(np.arange(len(C)), C), np.zeros(pad_to - total, np.int64)])
+    pos = (T[req] + np.arange(pad_to) - np.concatenate([np.repeat(np.concatenate([[0], np.cumsum(C)[:-1]]), C), np.arange(total, pad_to)])).astype(np.int32)
+    live_np = np.arange(pad_to) < total
+    pos = np.where(live_np, pos, np.arange(pad_to) - total).astype(np.int32)  # padding: positions 0.. inside page 0
+    live = jnp.asarray(live_np)
     page_tables, write_slots = {}, {}
     for lf in router.leaves:
         g = router.group(lf.group)
@@ -284,11 +291,13 @@ def build_extend_metadata(router: CacheGroupRouter, layer_leaves: tuple[str, ...
         table = router.kernel_table(lf.name, jnp.asarray(blocks[req]), live)
         page_tables[lf.name] = table
         write_slots[lf.name] = router.write_slots(lf.name, table, jnp.asarray(pos)[:, None]).reshape(-1)
+    tokens = np.zeros(pad_to, np.int32)
+    tokens[:total] = inputs.token_ids
     return ForwardContext(
-        window_ids=jnp.asarray(inputs.token_ids, jnp.int32)[:, None],
+        window_ids=jnp.asarray(tokens)[:, None],
         positions=jnp.asarray(pos)[:, None],
-        slots=jnp.asarray(np.asarray(inputs.slots, np.int32)[req]),
-        seq_lens=jnp.asarray(pos + 1),
+        slots=jnp.asarray(np.where(live_np, np.asarray(inputs.slots, np.int32)[req], 0)),
+        seq_lens=jnp.asarray(np.where(live_np, pos + 1, 0)),
         page_tables=page_tables,
         write_slots=write_slots,
         layer_leaves=layer_leaves,

@@ -1,0 +1,342 @@
+"""A continuous-batching engine: waiting and running queues, chunked prefill mixed with decode.
+
+Each `step()`:
+  1. admits waiting requests (FIFO) while a request slot and the blocks of its prompt are free;
+  2. prefills up to `prefill_token_budget` prompt tokens (chunks of several requests packed
+     into one extend forward, padded to a token-count bucket); a request whose prompt is done
+     samples its first token from its last prompt position;
+  3. runs one bucketed decode step (DecodeRunner) over every running request, allocating a
+     block when the next position needs one; out of blocks, the newest running request is
+     preempted back to the waiting queue (its tokens are recomputed later);
+  4. finishes requests on EOS, a stop token or max_new_tokens, and on abort; their blocks and
+     slots return to the free lists.
+
+The engine does not import a model: it takes any object with `config` (vocab_size,
+num_layers, num_kv_heads, head_dim, max_position_embeddings, eos_token_id), `layer_leaves`
+and `functional()` -> (forward, state), as `models.llama.Llama` provides.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from decodejax.cache import CacheGroup, CacheGroupRouter, KVPool, Leaf, OutOfPages, PageAllocator
+from decodejax.metadata import DecodeRow, ExtendInputs, build_extend_metadata
+from decodejax.runner import AttentionLeafBackend, DecodeRunner, RunnerConfig
+from decodejax.sampling import SamplingParams, sample_window
+
+
+class RequestError(ValueError):
+    """A request that cannot be served as given (raised before any device work)."""
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as token ids 0..255; BOS and EOS above them."""
+
+    def __init__(self, bos: int | None = 256, eos: int | None = 257):
+        self.bos, self.eos = bos, eos
+
+    def encode(self, text: str) -> list[int]:
+        return ([self.bos] if self.bos is not None else []) + list(text.encode("utf-8"))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A Hugging Face `tokenizer.json` through the `tokenizers` package."""
+
+    def __init__(self, path: str):
+        from tokenizers import Tokenizer
+
+        self._tok = Tokenizer.from_file(path)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text).ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode(list(ids))
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Engine sizes. Defaults fit small models on a CPU; `for_model` fills in the rest.
+
+    Attributes:
+      max_batch: running requests (the decode buffers' rows).
+      max_context: tokens per request (prompt + generated).
+      page_size: kernel page = scheduler block size, in tokens.
+      num_pages: pages in the pool (page 0 is the null page); default fits every slot.
+      prefill_token_budget: prompt tokens prefilled per step (chunked prefill).
+      prefill_buckets: padded token counts of the prefill forward (one compile each).
+      max_capture_bs: top of the decode capture ladder.
+      kv_dtype: K/V pool dtype.
+    """
+
+    max_batch: int = 8
+    max_context: int = 512
+    page_size: int = 16
+    num_pages: int | None = None
+    prefill_token_budget: int = 256
+    prefill_buckets: tuple[int, ...] = (16, 32, 64, 128, 256)
+    max_capture_bs: int | None = None
+    kv_dtype: str = "float32"
+
+    def __post_init__(self):
+        if self.prefill_token_budget > max(self.prefill_buckets):
+            raise ValueError(f"prefill_token_budget={self.prefill_token_budget} exceeds the largest bucket {max(self.prefill_buckets)}")
+
+
+@dataclasses.dataclass
+class Request:
+    id: int
+    prompt: list[int]
+    params: SamplingParams
+    generated: list[int] = dataclasses.field(default_factory=list)
+    cached: int = 0  # tokens whose K/V are in the cache
+    blocks: list[int] = dataclasses.field(default_factory=list)
+    slot: int | None = None
+    finish_reason: str | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.generated
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+    request_id: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+
+
+def _prefill_forward(forward, state, pool, ctx, last_rows, positions, slots, sampling):
+    """Extend forward, then a first token sampled at each request's last row (fixed [max_batch] shapes)."""
+    logits, pool = forward(state, pool, ctx)
+    first = logits[last_rows, 0][:, None, :]
+    tokens, _ = sample_window(first, jnp.zeros_like(positions), positions, slots, sampling)
+    return tokens[:, 0], pool
+
+
+class Engine:
+    """Continuous batching over a paged cache with bucketed decode steps."""
+
+    def __init__(self, model, config: EngineConfig | None = None, tokenizer=None):
+        c = model.config
+        self.config = config or EngineConfig(max_context=min(512, c.max_position_embeddings))
+        ec = self.config
+        if ec.max_context > c.max_position_embeddings:
+            raise ValueError(f"max_context={ec.max_context} exceeds the model's {c.max_position_embeddings} positions")
+        self.tokenizer = tokenizer or ByteTokenizer(c.bos_token_id if c.vocab_size > 257 else None, c.eos_token_id)
+        self.vocab_size, self.eos = c.vocab_size, c.eos_token_id
+        P = ec.page_size
+        blocks_per_request = -(-ec.max_context // P)
+        num_pages = ec.num_pages or ec.max_batch * blocks_per_request + 1
+        self.router = CacheGroupRouter((CacheGroup("main", P, blocks_per_request),), (Leaf("full", "main", P),))
+        forward, state = model.functional()
+        self._forward = forward
+        pool = KVPool.create(c.num_layers, num_pages, P, c.num_kv_heads, c.head_dim, jnp.dtype(ec.kv_dtype))
+        backend = AttentionLeafBackend("full", tuple(range(c.num_layers)), P, c.num_kv_heads, c.head_dim, str(jnp.dtype(ec.kv_dtype)))
+        top = ec.max_capture_bs or ec.max_batch
+        self.runner = DecodeRunner(forward, state, pool, self.router, model.layer_leaves, [backend],
+                                   RunnerConfig(max_decode_bs=ec.max_batch, max_capture_bs=min(top, ec.max_batch)),
+                                   vocab_size=c.vocab_size, max_requests=ec.max_batch)
+        self.layer_leaves = tuple(model.layer_leaves)
+        self.allocator = PageAllocator(num_pages)
+        self.free_slots = list(range(ec.max_batch - 1, -1, -1))
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.finished: dict[int, Request] = {}
+        self._ids = itertools.count()
+        self._prefill = jax.jit(functools.partial(_prefill_forward, forward), donate_argnums=(1,))
+        self.capture_seconds = self.runner.capture(progress=None)
+
+    # -- requests ---------------------------------------------------------------------------
+    def _validate(self, prompt, params) -> tuple[list[int], SamplingParams]:
+        if isinstance(params, dict):
+            try:
+                params = SamplingParams(**params)
+            except (TypeError, ValueError) as exc:
+                raise RequestError(f"invalid sampling parameters: {exc}") from exc
+        if not isinstance(params, SamplingParams):
+            raise RequestError(f"sampling params must be SamplingParams or a dict, got {type(params).__name__}")
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        if not ids or (isinstance(prompt, str) and not prompt):
+            raise RequestError("empty prompt")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestError(f"token ids {bad[:8]} outside the vocabulary of {self.vocab_size}")
+        if len(ids) + params.max_new_tokens > self.config.max_context:
+            raise RequestError(f"prompt of {len(ids)} tokens + max_new_tokens={params.max_new_tokens} exceeds the context of {self.config.max_context}")
+        return ids, params
+
+    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | dict | None = None) -> int:
+        """Queues a request; RequestError (nothing queued, nothing run) if it cannot be served."""
+        ids, params = self._validate(prompt, params if params is not None else SamplingParams())
+        req = Request(next(self._ids), ids, params)
+        self.waiting.append(req)
+        return req.id
+
+    def abort(self, request_id: int) -> None:
+        for queue in (self.running, self.waiting):
+            for req in list(queue):
+                if req.id == request_id:
+                    queue.remove(req)
+                    self._finish(req, "abort")
+                    return
+        raise KeyError(f"no live request {request_id}")
+
+    def _finish(self, req: Request, reason: str) -> None:
+        req.finish_reason = reason
+        self.allocator.free(req.blocks)
+        req.blocks = []
+        if req.slot is not None:
+            self.free_slots.append(req.slot)
+            req.slot = None
+        self.finished[req.id] = req
+
+    def _preempt(self, req: Request) -> None:
+        """Back to the waiting queue; its tokens are prefilled again when it is readmitted."""
+        self.running.remove(req)
+        self.allocator.free(req.blocks)
+        req.blocks, req.cached = [], 0
+        self.free_slots.append(req.slot)
+        req.slot = None
+        self.waiting.appendleft(req)
+
+    def _blocks_for(self, req: Request, tokens: int) -> bool:
+        need = -(-tokens // self.config.page_size) - len(req.blocks)
+        if need <= 0:
+            return True
+        try:
+            req.blocks += self.allocator.allocate(need)
+            return True
+        except OutOfPages:
+            return False
+
+    # -- the loop ---------------------------------------------------------------------------
+    def step(self) -> list[tuple[int, int]]:
+        """One scheduler iteration; returns the (request_id, token) pairs it produced."""
+        while self.waiting and self.free_slots:
+            req = self.waiting[0]
+            if not self._blocks_for(req, len(req.tokens) + 1):
+                break  # out of pages: it waits
+            self.waiting.popleft()
+            req.slot = self.free_slots.pop()
+            self.runner.set_sampling(req.slot, req.params)
+            self.running.append(req)
+        produced = self._prefill_step()
+        produced += self._decode_step()
+        return produced
+
+    def _emit(self, req: Request, token: int, produced: list) -> None:
+        req.generated.append(token)
+        produced.append((req.id, token))
+        p = req.params
+        if token == self.eos or token in p.stop_token_ids:
+            self.running.remove(req)
+            self._finish(req, "stop")
+        elif len(req.generated) >= p.max_new_tokens:
+            self.running.remove(req)
+            self._finish(req, "length")
+
+    def _prefill_step(self) -> list[tuple[int, int]]:
+        budget, chunks = self.config.prefill_token_budget, []
+        for req in self.running:
+            todo = len(req.tokens) - 1 - req.cached if req.generated else len(req.tokens) - req.cached
+            if todo > 0 and budget > 0:
+                n = min(todo, budget)
+                chunks.append((req, n))
+                budget -= n
+        if not chunks:
+            return []
+        total = sum(n for _, n in chunks)
+        bucket = next(b for b in sorted(self.config.prefill_buckets) if b >= total)
+        inputs = ExtendInputs(
+            extend_lens=tuple(n for _, n in chunks), prefix_lens=tuple(r.cached for r, _ in chunks),
+            slots=tuple(r.slot for r, _ in chunks), token_ids=tuple(t for r, n in chunks for t in r.tokens[r.cached : r.cached + n]),
+            block_tables={"main": [r.blocks for r, _ in chunks]},
+        )
+        ctx = build_extend_metadata(self.router, self.layer_leaves, inputs=inputs, pad_to=bucket)
+        # Per chunk (padded to max_batch): its last row, that row's position and the request slot.
+        B = self.config.max_batch
+        last_rows, positions, slots = np.zeros(B, np.int32), np.zeros((B, 1), np.int32), np.zeros(B, np.int32)
+        last_rows[: len(chunks)] = np.cumsum([n for _, n in chunks]) - 1
+        positions[: len(chunks), 0] = [r.cached + n - 1 for r, n in chunks]
+        slots[: len(chunks)] = [r.slot for r, _ in chunks]
+        tokens, self.runner.pool = self._prefill(self.runner.params, self.runner.pool, ctx, last_rows, positions, slots, self.runner.sampling)
+        tokens = np.asarray(tokens)
+        produced = []
+        for i, (r, n) in enumerate(chunks):
+            r.cached += n
+            if r.cached == len(r.tokens) and not r.generated:  # the prompt is in: its first token
+                self._emit(r, int(tokens[i]), produced)
+        return produced
+
+    def _decode_step(self) -> list[tuple[int, int]]:
+        ready = [r for r in self.running if r.generated and r.cached == len(r.tokens) - 1]
+        for req in list(ready):
+            while not self._blocks_for(req, len(req.tokens)):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim in ready:
+                    ready.remove(victim)
+                if victim is req:
+                    break
+        ready = [r for r in ready if r.slot is not None]
+        if not ready:
+            return []
+        rows = [DecodeRow(r.slot, r.cached, (r.tokens[-1],), {"main": r.blocks}) for r in ready]
+        out = self.runner.step(rows)
+        produced = []
+        for req, sampled in zip(ready, out):
+            req.cached += 1
+            self._emit(req, int(sampled[0]), produced)
+        return produced
+
+    # -- front ends -------------------------------------------------------------------------
+    def _submit_all(self, prompts, sampling_params) -> list[int]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise RequestError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        validated = []
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            try:
+                validated.append(self._validate(p, sp if sp is not None else SamplingParams()))
+            except RequestError as exc:
+                raise RequestError(f"prompt {i}: {exc}") from exc
+        ids = []
+        for tokens, sp in validated:
+            req = Request(next(self._ids), tokens, sp)
+            self.waiting.append(req)
+            ids.append(req.id)
+        return ids
+
+    def stream(self, prompts, sampling_params=None) -> Iterator[tuple[int, int]]:
+        """Yields (index of the prompt, token id) as tokens are produced."""
+        ids = self._submit_all(prompts, sampling_params)
+        index = {rid: i for i, rid in enumerate(ids)}
+        while any(rid not in self.finished for rid in ids):
+            for rid, token in self.step():
+                if rid in index:
+                    yield index[rid], token
+
+    def generate(self, prompts, sampling_params=None) -> list[Result]:
+        """One Result (token_ids, text, finish_reason) per prompt, in order."""
+        ids = self._submit_all(prompts, sampling_params)
+        while any(rid not in self.finished for rid in ids):
+            self.step()
+        return [Result(rid, list(self.finished[rid].generated), self.tokenizer.decode(self.finished[rid].generated),
+                       self.finished[rid].finish_reason) for rid in ids]

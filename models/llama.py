@@ -1,0 +1,271 @@
+"""Llama-family decoders (Flax NNX) on the paged cache: Llama 2/3, Mistral, Qwen2, Qwen3.
+
+Family differences are configuration: RoPE with optional llama3 frequency scaling; Mistral's
+sliding window; Qwen2's q/k/v biases; Qwen3's per-head q/k RMSNorm; tied or untied embeddings.
+The model touches the cache only through `ForwardContext` (write slots, page tables, lengths)
+and `decodejax.decode_attention`; it never computes a slot, a page or a padding rule.
+
+    tokens [rows, N] -> embed -> L x (norm -> attention on the paged cache -> norm -> SwiGLU MLP)
+                     -> norm -> logits [rows, N, V]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import decodejax
+from decodejax.cache import KVPool
+from decodejax.metadata import ForwardContext
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    # llama3 scaling as (factor, low_freq_factor, high_freq_factor, original_max_position_embeddings)
+    rope_llama3: tuple[float, float, float, int] | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2: q/k/v projections carry biases
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before RoPE
+    sliding_window: int | None = None  # Mistral: a key is visible iff q_pos - k_pos < sliding_window
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+
+    @staticmethod
+    def from_hf(hf: dict) -> "LlamaConfig":
+        """From a Hugging Face config.json dict (LlamaForCausalLM, Mistral, Qwen2, Qwen3)."""
+        arch = (hf.get("architectures") or [""])[0]
+        scaling = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+        llama3 = None
+        if scaling.get("rope_type", scaling.get("type")) == "llama3":
+            llama3 = (float(scaling["factor"]), float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"]),
+                      int(scaling["original_max_position_embeddings"]))
+        theta = hf.get("rope_theta", scaling.get("rope_theta", 10000.0))
+        eos = hf.get("eos_token_id")
+        window = hf.get("sliding_window") if arch.startswith("Mistral") or hf.get("use_sliding_window") else None
+        return LlamaConfig(
+            vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"], num_heads=hf["num_attention_heads"],
+            num_kv_heads=hf.get("num_key_value_heads", hf["num_attention_heads"]),
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-5), rope_theta=float(theta), rope_llama3=llama3,
+            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            tie_word_embeddings=hf.get("tie_word_embeddings", False),
+            attention_bias=hf.get("attention_bias", arch.startswith("Qwen2")),
+            qk_norm=arch.startswith("Qwen3"), sliding_window=window,
+            bos_token_id=hf.get("bos_token_id"), eos_token_id=eos[0] if isinstance(eos, list) else eos,
+        )
+
+
+PRESETS = {
+    # A byte-level vocabulary (256 bytes + BOS 256 + EOS 257) so `tiny` runs with no tokenizer files.
+    "tiny": LlamaConfig(vocab_size=258, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                        head_dim=16, max_position_embeddings=512, bos_token_id=256, eos_token_id=257),
+    "llama3-1b": LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32, num_kv_heads=8,
+                             head_dim=64, rope_theta=500000.0, rope_llama3=(32.0, 1.0, 4.0, 8192), max_position_embeddings=131072,
+                             tie_word_embeddings=True, bos_token_id=128000, eos_token_id=128001),
+    "llama3-8b": LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
+                             head_dim=128, rope_theta=500000.0, rope_llama3=(8.0, 1.0, 4.0, 8192), max_position_embeddings=131072,
+                             bos_token_id=128000, eos_token_id=128001),
+    "qwen2-0.5b": LlamaConfig(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_layers=24, num_heads=14, num_kv_heads=2,
+                              head_dim=64, rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=32768,
+                              tie_word_embeddings=True, attention_bias=True, eos_token_id=151643),
+}
+
+
+def rope_frequencies(config: LlamaConfig) -> np.ndarray:
+    """Inverse frequencies f32[head_dim / 2], with llama3 scaling when configured."""
+    d = config.head_dim
+    inv = 1.0 / (config.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    if config.rope_llama3 is None:
+        return inv.astype(np.float32)
+    factor, low, high, old_len = config.rope_llama3
+    wavelen = 2 * math.pi / inv
+    scaled = np.where(wavelen > old_len / low, inv / factor, inv)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """x [..., H, D] at positions [...] (rotate-half convention, as Hugging Face Llama)."""
+    angles = positions[..., None].astype(jnp.float32) * inv_freq  # [..., D/2]
+    cos = jnp.concatenate([jnp.cos(angles)] * 2, axis=-1)[..., None, :]
+    sin = jnp.concatenate([jnp.sin(angles)] * 2, axis=-1)[..., None, :]
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return (x.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin).astype(x.dtype)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x):
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (self.weight[...] * x32.astype(x.dtype)).astype(x.dtype)
+
+
+def _dense(rngs: nnx.Rngs, n_in: int, n_out: int, dtype) -> nnx.Param:
+    return nnx.Param((jax.random.normal(rngs.params(), (n_in, n_out), jnp.float32) * n_in**-0.5).astype(dtype))
+
+
+class Attention(nnx.Module):
+    def __init__(self, config: LlamaConfig, layer: int, dtype, rngs: nnx.Rngs):
+        c = config
+        self.config, self.layer = c, layer
+        self.wq = _dense(rngs, c.hidden_size, c.num_heads * c.head_dim, dtype)
+        self.wk = _dense(rngs, c.hidden_size, c.num_kv_heads * c.head_dim, dtype)
+        self.wv = _dense(rngs, c.hidden_size, c.num_kv_heads * c.head_dim, dtype)
+        self.wo = _dense(rngs, c.num_heads * c.head_dim, c.hidden_size, dtype)
+        if c.attention_bias:
+            self.bq = nnx.Param(jnp.zeros((c.num_heads * c.head_dim,), dtype))
+            self.bk = nnx.Param(jnp.zeros((c.num_kv_heads * c.head_dim,), dtype))
+            self.bv = nnx.Param(jnp.zeros((c.num_kv_heads * c.head_dim,), dtype))
+        if c.qk_norm:
+            self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype)
+
+    def __call__(self, x, pool: KVPool, ctx: ForwardContext, inv_freq):
+        c = self.config
+        rows, N, _ = x.shape
+        q, k, v = x @ self.wq[...], x @ self.wk[...], x @ self.wv[...]
+        if c.attention_bias:
+            q, k, v = q + self.bq[...], k + self.bk[...], v + self.bv[...]
+        q = q.reshape(rows, N, c.num_heads, c.head_dim)
+        k = k.reshape(rows, N, c.num_kv_heads, c.head_dim)
+        v = v.reshape(rows, N, c.num_kv_heads, c.head_dim)
+        if c.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, ctx.positions, inv_freq), apply_rope(k, ctx.positions, inv_freq)
+        flat = lambda t: t.reshape(rows * N, *t.shape[2:])  # noqa: E731
+        pool = pool.write(self.layer, ctx.write_locations(self.layer, ctx.mode), flat(k), flat(v))
+        table, lens = ctx.attention_rows(self.layer)
+        window = None if c.sliding_window is None else c.sliding_window - 1
+        o = decodejax.decode_attention(flat(q).astype(pool.k.dtype), pool.k[self.layer], pool.v[self.layer], table, lens,
+                                       window_left=window)
+        return o.reshape(rows, N, c.num_heads * c.head_dim).astype(x.dtype) @ self.wo[...], pool
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, config: LlamaConfig, layer: int, dtype, rngs: nnx.Rngs):
+        c = config
+        self.input_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        self.attn = Attention(c, layer, dtype, rngs)
+        self.post_attn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        self.w_gate = _dense(rngs, c.hidden_size, c.intermediate_size, dtype)
+        self.w_up = _dense(rngs, c.hidden_size, c.intermediate_size, dtype)
+        self.w_down = _dense(rngs, c.intermediate_size, c.hidden_size, dtype)
+
+    def __call__(self, x, pool, ctx, inv_freq):
+        h, pool = self.attn(self.input_norm(x), pool, ctx, inv_freq)
+        x = x + h
+        y = self.post_attn_norm(x)
+        return x + (jax.nn.silu(y @ self.w_gate[...]) * (y @ self.w_up[...])) @ self.w_down[...], pool
+
+
+class Llama(nnx.Module):
+    """The decoder. Call with (pool, ctx) -> (logits f32[rows, N, V], pool)."""
+
+    def __init__(self, config: LlamaConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        c = config
+        self.config, self.dtype = c, dtype
+        self.embed = nnx.Param((jax.random.normal(rngs.params(), (c.vocab_size, c.hidden_size), jnp.float32) * 0.02).astype(dtype))
+        self.layers = nnx.List([DecoderLayer(c, i, dtype, rngs) for i in range(c.num_layers)])
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        if not c.tie_word_embeddings:
+            self.lm_head = _dense(rngs, c.hidden_size, c.vocab_size, dtype)
+        self.inv_freq = nnx.Variable(jnp.asarray(rope_frequencies(c)))
+
+    @property
+    def layer_leaves(self) -> tuple[str, ...]:
+        return ("full",) * self.config.num_layers
+
+    def functional(self):
+        """(forward, state) for the runtime: forward(state, pool, ctx) is pure and hashable."""
+        return functional(self)
+
+    def __call__(self, pool: KVPool, ctx: ForwardContext):
+        x = self.embed[...][ctx.window_ids]
+        for layer in self.layers:
+            x, pool = layer(x, pool, ctx, self.inv_freq[...])
+        x = self.norm(x)
+        head = self.embed[...].T if self.config.tie_word_embeddings else self.lm_head[...]
+        return (x @ head).astype(jnp.float32), pool
+
+
+def functional(model: Llama):
+    """(forward, state) for the runtime: forward(state, pool, ctx) is pure and hashable."""
+    graphdef, state = nnx.split(model)
+    return functools.partial(_forward, graphdef), state
+
+
+def _forward(graphdef, state, pool, ctx):
+    return nnx.merge(graphdef, state)(pool, ctx)
+
+
+def random(preset: str | LlamaConfig, seed: int = 0, dtype=jnp.float32) -> Llama:
+    """A randomly initialized model of a named preset ('tiny', 'llama3-1b', 'llama3-8b', 'qwen2-0.5b')."""
+    config = PRESETS[preset] if isinstance(preset, str) else preset
+    return Llama(config, dtype=dtype, rngs=nnx.Rngs(seed))
+
+
+def from_pretrained(path: str, dtype=jnp.float32) -> Llama:
+    """Loads a Hugging Face directory: config.json and one or sharded *.safetensors files."""
+    from safetensors.numpy import load_file
+
+    root = pathlib.Path(path)
+    config = LlamaConfig.from_hf(json.loads((root / "config.json").read_text()))
+    tensors = {}
+    for shard in sorted(root.glob("*.safetensors")):
+        tensors.update(load_file(str(shard)))
+    if not tensors:
+        raise FileNotFoundError(f"no *.safetensors files in {root}")
+    model = Llama(config, dtype=dtype, rngs=nnx.Rngs(0))
+
+    def take(name, transpose=False):
+        if name not in tensors:
+            raise KeyError(f"{root}: missing tensor {name}")
+        t = np.asarray(tensors[name], np.float32)
+        return jnp.asarray(t.T if transpose else t, dtype)
+
+    model.embed[...] = take("model.embed_tokens.weight")
+    model.norm.weight[...] = take("model.norm.weight")
+    if not config.tie_word_embeddings:
+        model.lm_head[...] = take("lm_head.weight", transpose=True)
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        layer.input_norm.weight[...] = take(p + "input_layernorm.weight")
+        layer.post_attn_norm.weight[...] = take(p + "post_attention_layernorm.weight")
+        for ours, theirs in (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"), ("wo", "o_proj")):
+            getattr(layer.attn, ours)[...] = take(p + f"self_attn.{theirs}.weight", transpose=True)
+        if config.attention_bias:
+            for ours, theirs in (("bq", "q_proj"), ("bk", "k_proj"), ("bv", "v_proj")):
+                getattr(layer.attn, ours)[...] = take(p + f"self_attn.{theirs}.bias")
+        if config.qk_norm:
+            layer.attn.q_norm.weight[...] = take(p + "self_attn.q_norm.weight")
+            layer.attn.k_norm.weight[...] = take(p + "self_attn.k_norm.weight")
+        layer.w_gate[...] = take(p + "mlp.gate_proj.weight", transpose=True)
+        layer.w_up[...] = take(p + "mlp.up_proj.weight", transpose=True)
+        layer.w_down[...] = take(p + "mlp.down_proj.weight", transpose=True)
+    return model

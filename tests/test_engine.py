@@ -1,0 +1,96 @@
+"""The continuous-batching engine on a tiny random Llama (CPU)."""
+
+import numpy as np
+import pytest
+
+from decodejax.engine import Engine, EngineConfig, RequestError
+from decodejax.sampling import SamplingParams
+from models import llama
+
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=10)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return llama.random("tiny", seed=1)
+
+
+@pytest.fixture(scope="module")
+def reference_outputs(model):
+    """Each prompt alone, greedy, roomy engine: what every other schedule must reproduce."""
+    engine = Engine(model, EngineConfig(max_batch=4, max_context=128))
+    return {p: engine.generate([p], GREEDY)[0].token_ids for p in PROMPTS}
+
+
+PROMPTS = ["hello", "the quick brown fox jumps over the lazy dog, twice over", "x", "paged attention"]
+
+
+def test_generate_batch_matches_each_prompt_alone_and_returns_pages(model, reference_outputs):
+    engine = Engine(model, EngineConfig(max_batch=4, max_context=128))
+    start = engine.allocator.num_free
+    results = engine.generate(PROMPTS, GREEDY)
+    assert [r.token_ids for r in results] == [reference_outputs[p] for p in PROMPTS]
+    assert all(r.finish_reason in ("length", "stop") and isinstance(r.text, str) for r in results)
+    assert engine.allocator.num_free == start and sorted(engine.free_slots) == list(range(4))
+
+
+def test_chunked_prefill_and_out_of_pages_waiting_give_the_same_tokens(model, reference_outputs):
+    # 16-token prefill chunks; a pool too small for all requests at once: they wait for pages.
+    engine = Engine(model, EngineConfig(max_batch=4, max_context=128, prefill_token_budget=16, num_pages=9))
+    start = engine.allocator.num_free
+    results = engine.generate(PROMPTS, GREEDY)
+    assert [r.token_ids for r in results] == [reference_outputs[p] for p in PROMPTS]
+    assert engine.allocator.num_free == start
+
+
+def test_stream_yields_the_generated_tokens_in_order(model, reference_outputs):
+    engine = Engine(model, EngineConfig(max_batch=2, max_context=128))
+    got = {0: [], 1: []}
+    for index, token in engine.stream(PROMPTS[:2], GREEDY):
+        got[index].append(token)
+    assert got == {0: reference_outputs[PROMPTS[0]], 1: reference_outputs[PROMPTS[1]]}
+
+
+@pytest.mark.parametrize(
+    "prompt,params,match",
+    [("", GREEDY, "empty prompt"), ([], GREEDY, "empty prompt"), ([5, 300], GREEDY, r"token ids \[300\] outside the vocabulary of 258"),
+     ("y" * 130, GREEDY, "exceeds the context of 128"), ("ok", {"temperature": -1.0}, "SamplingParams.temperature=-1.0"),
+     ("ok", {"top_q": 0.5}, "invalid sampling parameters")],
+)
+def test_bad_requests_fail_alone_and_before_device_work(model, reference_outputs, prompt, params, match):
+    engine = Engine(model, EngineConfig(max_batch=2, max_context=128))
+    good = engine.add_request(PROMPTS[0], GREEDY)
+    engine.step()
+    with pytest.raises(RequestError, match=match):
+        engine.add_request(prompt, params)
+    assert len(engine.waiting) + len(engine.running) == 1  # nothing queued for the bad request
+    while good not in engine.finished:
+        engine.step()
+    assert engine.finished[good].generated == reference_outputs[PROMPTS[0]]
+
+
+def test_generate_names_the_bad_prompt_and_runs_nothing(model):
+    engine = Engine(model, EngineConfig(max_batch=2, max_context=128))
+    with pytest.raises(RequestError, match="prompt 1: empty prompt"):
+        engine.generate(["fine", ""], GREEDY)
+    assert not engine.waiting and not engine.running
+
+
+def test_abort_returns_pages_and_slot(model):
+    engine = Engine(model, EngineConfig(max_batch=2, max_context=128))
+    start = engine.allocator.num_free
+    rid = engine.add_request(PROMPTS[1], SamplingParams(temperature=0.0, max_new_tokens=50))
+    for _ in range(3):
+        engine.step()
+    assert engine.allocator.num_free < start
+    engine.abort(rid)
+    assert engine.finished[rid].finish_reason == "abort" and engine.allocator.num_free == start and len(engine.free_slots) == 2
+
+
+def test_stop_tokens_and_seeded_sampling(model):
+    engine = Engine(model, EngineConfig(max_batch=2, max_context=128))
+    first = engine.generate(["seed me"], SamplingParams(temperature=1.0, seed=7, max_new_tokens=8))[0].token_ids
+    again = engine.generate(["seed me"], SamplingParams(temperature=1.0, seed=7, max_new_tokens=8))[0].token_ids
+    assert first == again
+    stopped = engine.generate(["seed me"], SamplingParams(temperature=1.0, seed=7, max_new_tokens=8, stop_token_ids=(first[2],)))[0]
+    assert stopped.token_ids == first[: first.index(first[2]) + 1] and stopped.finish_reason == "stop"
