@@ -80,6 +80,7 @@ class EngineConfig:
       prefill_buckets: padded token counts of the prefill forward (one compile each).
       max_capture_bs: top of the decode capture ladder.
       kv_dtype: K/V pool dtype.
+      compilation_cache_dir: JAX persistent compilation cache for the decode buckets (None: off).
     """
 
     max_batch: int = 8
@@ -90,6 +91,7 @@ class EngineConfig:
     prefill_buckets: tuple[int, ...] = (16, 32, 64, 128, 256)
     max_capture_bs: int | None = None
     kv_dtype: str = "float32"
+    compilation_cache_dir: str | None = None
 
     def __post_init__(self):
         if self.prefill_token_budget > max(self.prefill_buckets):
@@ -149,7 +151,8 @@ class Engine:
         backend = AttentionLeafBackend("full", tuple(range(c.num_layers)), P, c.num_kv_heads, c.head_dim, str(jnp.dtype(ec.kv_dtype)))
         top = ec.max_capture_bs or ec.max_batch
         self.runner = DecodeRunner(forward, state, pool, self.router, model.layer_leaves, [backend],
-                                   RunnerConfig(max_decode_bs=ec.max_batch, max_capture_bs=min(top, ec.max_batch)),
+                                   RunnerConfig(max_decode_bs=ec.max_batch, max_capture_bs=min(top, ec.max_batch),
+                                                compilation_cache_dir=ec.compilation_cache_dir),
                                    vocab_size=c.vocab_size, max_requests=ec.max_batch)
         self.layer_leaves = tuple(model.layer_leaves)
         self.allocator = PageAllocator(num_pages)

@@ -15,3 +15,18 @@ def test_readme_main_job_generates():
                           "--max-new-tokens", "8"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.startswith("The decode phase") and "8 tokens in" in out.stdout and "tokens/s" in out.stdout
+
+
+def test_e2e_benchmark_runs_on_a_tiny_model(tmp_path):
+    """The end-to-end benchmark script, on CPU with the tiny preset (its GPU run is separate)."""
+    import json
+    import os
+
+    out = tmp_path / "e2e.json"
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    run = subprocess.run([sys.executable, "-m", "benchmarks.e2e_decode", "--model", "tiny", "--batch", "1,3", "--context", "24",
+                          "--steps", "4", "--dtype", "float32", "--out", str(out)], capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["batch"], r["context"]) for r in rows] == [(1, 24), (3, 24)]
+    assert all(len(r["step_ms_samples"]) == 4 and r["tokens_per_s"] > 0 and 0 < r["roofline_fraction"] for r in rows)
