@@ -266,8 +266,8 @@ class DecodeRunner:
         """The padded size a batch of actual_bs rows runs at."""
         if actual_bs > self.config.max_decode_bs:
             raise ValueError(f"batch of {actual_bs} rows exceeds max_decode_bs={self.config.max_decode_bs}")
-        if self.config.enforce_eager or not self.bucketed or actual_bs > self.config.max_capture_bs:
-            return actual_bs
+        if self.config.enforce_eager or not self.bucketed or actual_bs > self.config.ladder[-1]:
+            return actual_bs  # above the ladder: its exact size
         return next(b for b in self.config.ladder if b >= actual_bs)
 
     def _executable(self, bs: int):

@@ -250,6 +250,12 @@ def test_R2_above_ladder_decode_matches_eager(caplog):
     np.testing.assert_allclose(np.asarray(bucketed.pool.k)[:, 1:], np.asarray(eager.pool.k)[:, 1:], atol=1e-6)
 
 
+def test_R2_sizes_between_the_ladder_top_and_max_capture_bs_run_at_their_exact_size():
+    runner = make_runner(RunnerConfig(max_decode_bs=12, max_capture_bs=11))  # default ladder (1, 2, 4, 8)
+    assert runner.config.ladder == (1, 2, 4, 8)
+    assert [runner.bucket_for(n) for n in (3, 8, 9, 11, 12)] == [4, 8, 9, 11, 12]
+
+
 def test_R4_no_trace_or_compile_after_warmup_over_1000_steps(monkeypatch):
     monkeypatch.setenv("DECODEJAX_GRAPH_DEBUG", "1")
     runner = make_runner()
