@@ -23,7 +23,8 @@ import numpy as np
 
 from decodejax.cache import CacheGroupRouter
 
-# Packed host row: [slot, committed_len, window ids (N), block table of each group ...].
+# The packed upload is int32 [1 + bs, packed_width]: row 0 is a header whose first entry is
+# actual_bs; row 1 + i is [slot, committed_len, window ids (N), block table of each group ...].
 _FIXED_COLUMNS = 2
 
 
@@ -94,7 +95,9 @@ def packed_width(router: CacheGroupRouter, window: int) -> int:
 
 
 def pack_decode_batch(rows: list[DecodeRow], *, bs: int, router: CacheGroupRouter, window: int, vocab_size: int) -> np.ndarray:
-    """Validates a decode batch (F1) and packs it into one int32 [bs, packed_width] upload.
+    """Validates a decode batch (F1) and packs it into one int32 [1 + bs, packed_width] upload.
+
+    Row 0 is the header (actual_bs = len(rows)); rows [1 + len(rows), 1 + bs) are padding.
 
     Raises ValueError naming the offending row and value before anything is written: bs
     smaller than the batch, duplicate slots, a missing group, a window of the wrong width or
@@ -106,7 +109,9 @@ def pack_decode_batch(rows: list[DecodeRow], *, bs: int, router: CacheGroupRoute
     slots = [r.slot for r in rows]
     if len(set(slots)) != len(slots):
         raise ValueError(f"duplicate request slots in batch: {sorted(slots)}")
-    out = np.zeros((bs, packed_width(router, window)), np.int32)
+    packed = np.zeros((1 + bs, packed_width(router, window)), np.int32)
+    packed[0, 0] = len(rows)
+    out = packed[1:]
     for i, r in enumerate(rows):
         router.check_groups(r.block_tables)
         if len(r.window_ids) != window:
@@ -131,23 +136,24 @@ def pack_decode_batch(rows: list[DecodeRow], *, bs: int, router: CacheGroupRoute
                                  f"positions [0, {end_pos}) with live blocks")
             out[i, col : col + len(blocks)] = blocks
             col += g.max_blocks
-    return out
+    return packed
 
 
 def refresh_decode_metadata(
     buffers: DecodeBuffers,
-    batch: jax.Array,  # i32[bs, packed_width]
-    actual_bs: jax.Array,  # i32[]
+    packed: jax.Array,  # i32[1 + bs, packed_width]: header row (actual_bs), then one row per request
     *,
     bs: int,
     router: CacheGroupRouter,
 ) -> DecodeBuffers:
     """Writes rows [0, bs) of the decode metadata from one packed upload; pure.
 
-    Run under jit with `buffers` donated, XLA updates them in place. Rows >= actual_bs are
-    padding (page 0, seq_len 0, window ids 0, write slots inside page 0).
+    Run under jit with `buffers` donated, XLA updates them in place. actual_bs is the header's
+    first entry (0 for capture over placeholder tables); rows >= actual_bs are padding
+    (page 0, seq_len 0, window ids 0, write slots inside page 0).
     """
     N = buffers.window
+    actual_bs, batch = packed[0, 0], packed[1:]
     live = jnp.arange(bs) < actual_bs
     live_col = live[:, None]
     committed = jnp.where(live, batch[:, 1], 0)
@@ -175,9 +181,9 @@ def refresh_decode_metadata(
 
 
 @functools.partial(jax.jit, static_argnames=("bs", "router"), donate_argnums=0)
-def refresh_decode_metadata_jit(buffers, batch, actual_bs, *, bs, router):
+def refresh_decode_metadata_jit(buffers, packed, *, bs, router):
     """`refresh_decode_metadata` compiled, buffers donated (used alone by tests and tools)."""
-    return refresh_decode_metadata(buffers, batch, actual_bs, bs=bs, router=router)
+    return refresh_decode_metadata(buffers, packed, bs=bs, router=router)
 
 
 @functools.partial(

@@ -173,9 +173,12 @@ class RunnerConfig:
         return tuple(sorted(self.capture_ladder or default_capture_ladder(self.max_capture_bs)))
 
 
-def decode_step(params, pool, buffers, sampling, batch, actual_bs, *, bs, router, layer_leaves, model_forward):
-    """The hot step: refresh -> forward -> sample. Returns (pool, buffers), both donated."""
-    buffers = refresh_decode_metadata(buffers, batch, actual_bs, bs=bs, router=router)
+def decode_step(params, pool, buffers, sampling, packed, *, bs, router, layer_leaves, model_forward):
+    """The hot step: refresh -> forward -> sample. Returns (pool, buffers), both donated.
+
+    `packed` (i32[1 + bs, width], see pack_decode_batch) is the step's one host upload.
+    """
+    buffers = refresh_decode_metadata(buffers, packed, bs=bs, router=router)
     ctx = ForwardContext.for_decode(buffers, bs, layer_leaves)
     logits, pool = model_forward(params, pool, ctx)
     tokens, accept = sample_window(logits, ctx.window_ids, ctx.positions, ctx.slots, sampling)
@@ -228,10 +231,9 @@ class DecodeRunner:
 
     def _compile(self, bs: int):
         """AOT-compiles the step for bs; records the backend selections made while tracing it."""
-        batch = jax.ShapeDtypeStruct((bs, packed_width(self.router, self.config.window)), jnp.int32)
-        actual = jax.ShapeDtypeStruct((), jnp.int32)
+        packed = jax.ShapeDtypeStruct((1 + bs, packed_width(self.router, self.config.window)), jnp.int32)
         with dispatch.capturing(), dispatch.recording() as selections:
-            lowered = _donating_step.lower(self.params, self.pool, self.buffers, self.sampling, batch, actual, **self._statics(bs))
+            lowered = _donating_step.lower(self.params, self.pool, self.buffers, self.sampling, packed, **self._statics(bs))
         self.selections[bs] = tuple(selections)
         return lowered.compile()
 
@@ -247,8 +249,8 @@ class DecodeRunner:
             t0 = time.perf_counter()
             try:
                 self._executables[bs] = self._compile(bs)
-                placeholder = np.zeros((bs, packed_width(self.router, self.config.window)), np.int32)
-                self.pool, self.buffers = self._executables[bs](self.params, self.pool, self.buffers, self.sampling, placeholder, np.int32(0))
+                placeholder = np.zeros((1 + bs, packed_width(self.router, self.config.window)), np.int32)  # actual_bs = 0
+                self.pool, self.buffers = self._executables[bs](self.params, self.pool, self.buffers, self.sampling, placeholder)
                 jax.block_until_ready(self.buffers)
             except Exception as exc:
                 raise CaptureError(f"capturing bucket bs={bs} failed: {exc!r}") from exc
@@ -288,11 +290,11 @@ class DecodeRunner:
         if actual == 0:
             raise ValueError("a decode step needs at least one row")
         bs = self.bucket_for(actual)
-        batch = pack_decode_batch(rows, bs=bs, router=self.router, window=self.config.window, vocab_size=self.vocab_size)
+        packed = pack_decode_batch(rows, bs=bs, router=self.router, window=self.config.window, vocab_size=self.vocab_size)
         if self.config.enforce_eager:
-            self.pool, self.buffers = decode_step(self.params, self.pool, self.buffers, self.sampling, jnp.asarray(batch), jnp.int32(actual), **self._statics(bs))
+            self.pool, self.buffers = decode_step(self.params, self.pool, self.buffers, self.sampling, jnp.asarray(packed), **self._statics(bs))
         else:
-            self.pool, self.buffers = self._executable(bs)(self.params, self.pool, self.buffers, self.sampling, batch, np.int32(actual))
+            self.pool, self.buffers = self._executable(bs)(self.params, self.pool, self.buffers, self.sampling, packed)
             self.guard.check({"pool": self.pool, "buffers": self.buffers})
         return actual
 

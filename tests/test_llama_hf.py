@@ -54,7 +54,7 @@ def test_logits_over_prefill_and_16_decode_steps(pair):
     for _ in range(16):
         row = DecodeRow(0, len(tokens) - 1, (tokens[-1],), {"main": blocks})
         batch = pack_decode_batch([row], bs=1, router=router, window=1, vocab_size=c.vocab_size)
-        buffers = refresh_decode_metadata_jit(buffers, batch, np.int32(1), bs=1, router=router)
+        buffers = refresh_decode_metadata_jit(buffers, batch, bs=1, router=router)
         step_logits, pool = ours(pool, ForwardContext.for_decode(buffers, 1, ours.layer_leaves))
         ours_logits.append(np.asarray(step_logits[:, 0]))
         tokens.append(int(np.argmax(ours_logits[-1][0])))

@@ -190,7 +190,7 @@ def test_R1_eager_and_padded_replay_refresh_agree_on_live_rows():
         for bs in (actual, bucket):
             buffers = DecodeBuffers.create(ROUTER, 12, 1)
             batch = pack_decode_batch(rows, bs=bs, router=ROUTER, window=1, vocab_size=CFG.vocab_size)
-            buffers = refresh_decode_metadata_jit(buffers, batch, np.int32(actual), bs=bs, router=ROUTER)
+            buffers = refresh_decode_metadata_jit(buffers, batch, bs=bs, router=ROUTER)
             results.append(buffers)
         eager, replay = (_live_fields(b, actual) for b in results)
         for k in eager:
@@ -204,7 +204,7 @@ def test_R1_eager_and_padded_replay_refresh_agree_on_live_rows():
 
 def test_R1_capture_refresh_over_placeholder_tables():
     buffers = DecodeBuffers.create(ROUTER, 8, 1)
-    buffers = refresh_decode_metadata_jit(buffers, np.zeros((8, 3 + MAX_BLOCKS), np.int32), np.int32(0), bs=8, router=ROUTER)
+    buffers = refresh_decode_metadata_jit(buffers, np.zeros((9, 3 + MAX_BLOCKS), np.int32), bs=8, router=ROUTER)  # header: actual_bs 0
     assert not np.asarray(buffers.page_tables["full"]).any() and not np.asarray(buffers.seq_lens).any()
     assert np.all(np.asarray(buffers.write_slots["full"]) < P)
 
