@@ -30,7 +30,22 @@ def main(argv=None) -> int:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--dtype", default="float32")
+    bench = sub.add_parser("bench", help="end-to-end decode benchmark on a GPU (from the repository root)")
+    bench.add_argument("--model", default="llama3-8b")
+    bench.add_argument("--batch", default="64")
+    bench.add_argument("--context", default="2048")
+    bench.add_argument("--steps", default="20")
+    bench.add_argument("--out", default="benchmarks/results/e2e_decode.json")
     args = parser.parse_args(argv)
+    if args.command == "bench":
+        try:
+            from benchmarks import e2e_decode
+        except ImportError:
+            print("python -m decodejax bench runs benchmarks/e2e_decode.py: run it from the repository root", file=sys.stderr)
+            return 2
+        e2e_decode.main(["--model", args.model, "--batch", args.batch, "--context", args.context, "--steps", args.steps,
+                         "--dtype", "bfloat16", "--out", args.out])
+        return 0
     if args.command == "generate":
         return _generate(args)
     if args.command == "evidence":

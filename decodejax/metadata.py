@@ -65,10 +65,6 @@ class DecodeBuffers:
         )
 
     @property
-    def max_bs(self) -> int:
-        return self.slots.shape[0]
-
-    @property
     def window(self) -> int:
         return self.window_ids.shape[1]
 

@@ -220,6 +220,9 @@ class DecodeRunner:
             jax.config.update("jax_compilation_cache_dir", config.compilation_cache_dir)
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         self.guard = GraphGuard()
+        # Capture and idle steps read placeholder tables: one persistent all-zeros upload
+        # (header actual_bs = 0, every table entry the null page), sliced per bucket.
+        self._placeholder = np.zeros((1 + config.max_decode_bs, packed_width(router, config.window)), np.int32)
         self.capture_seconds: dict[int, float] = {}
         self._executables: dict[int, Callable] = {}
         self.selections: dict[int, tuple] = {}  # bucket -> the dispatch selections of its trace
@@ -249,8 +252,7 @@ class DecodeRunner:
             t0 = time.perf_counter()
             try:
                 self._executables[bs] = self._compile(bs)
-                placeholder = np.zeros((1 + bs, packed_width(self.router, self.config.window)), np.int32)  # actual_bs = 0
-                self.pool, self.buffers = self._executables[bs](self.params, self.pool, self.buffers, self.sampling, placeholder)
+                self.pool, self.buffers = self._executables[bs](self.params, self.pool, self.buffers, self.sampling, self._placeholder[: 1 + bs])
                 jax.block_until_ready(self.buffers)
             except Exception as exc:
                 raise CaptureError(f"capturing bucket bs={bs} failed: {exc!r}") from exc

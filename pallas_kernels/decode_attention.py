@@ -28,8 +28,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from decodejax.addressing import KVLayout, pool_geometry
 from decodejax.masks import DecodeMask, visible
+from decodejax.split_state import LOG2_E
 
-LOG2_E = 1.4426950408889634
 MIN_DOT_ROWS = 16  # Triton dots need >= 16 rows: the G query rows are padded to this.
 
 

@@ -16,7 +16,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-LOG2_E = 1.4426950408889634
+from decodejax.split_state import LOG2_E
+
 
 
 @dataclasses.dataclass(frozen=True)
