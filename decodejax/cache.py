@@ -85,11 +85,17 @@ class KVPool:
         return self.k.shape[2]
 
     def write(self, layer: int, slots: jax.Array, k_new: jax.Array, v_new: jax.Array) -> "KVPool":
-        """Writes rows k_new/v_new [n, H_kv, D] at flat slots i32[n] (page * P + row) of one layer."""
+        """Writes rows k_new/v_new [n, H_kv, D] at flat slots i32[n] (page * P + row) of one layer.
+
+        One scatter per tensor into the [L, num_pages * P, H_kv, D] view (a bitcast), so a
+        donated pool is updated in place.
+        """
         L, N, P, H, D = self.k.shape
-        k_layer = self.k[layer].reshape(N * P, H, D).at[slots].set(k_new.astype(self.k.dtype))
-        v_layer = self.v[layer].reshape(N * P, H, D).at[slots].set(v_new.astype(self.v.dtype))
-        return KVPool(k=self.k.at[layer].set(k_layer.reshape(N, P, H, D)), v=self.v.at[layer].set(v_layer.reshape(N, P, H, D)))
+
+        def scatter(pages, rows):
+            return pages.reshape(L, N * P, H, D).at[layer, slots].set(rows.astype(pages.dtype)).reshape(L, N, P, H, D)
+
+        return KVPool(k=scatter(self.k, k_new), v=scatter(self.v, v_new))
 
 
 @dataclasses.dataclass(frozen=True)
