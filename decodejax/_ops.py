@@ -12,6 +12,8 @@ Selection happens at trace time, so under jit it runs once per compiled shape.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 import jax
@@ -145,34 +147,47 @@ def decode_attention(
       LseState of every split slot is appended.
     """
     _validate_decode_args(q, k_pages, v_pages, page_table, seq_lens, cache_batch_idx, layout)
-    B, H_q, D = q.shape
-    num_pages, P, H_kv, _ = addressing.pool_geometry(k_pages, layout)
+    B, _, D = q.shape
+    P = addressing.pool_geometry(k_pages, layout)[1]
     if dense_mask is not None and dense_mask.shape != (B, page_table.shape[1] * P):
         raise ValueError(f"dense_mask must be bool[B={B}, W*P={page_table.shape[1] * P}]; got {dense_mask.shape}")
     key = dispatch.DispatchKey.from_call(
         q, k_pages, layout=layout, page_table=page_table, soft_cap=soft_cap, window_left=window_left, sinks=sinks,
         deterministic=deterministic, mask_kind="causal" if dense_mask is None else "dense_custom", backend=backend,
     )
-    backend = dispatch.select(key).backend
-    sm_scale = float(D**-0.5 if sm_scale is None else sm_scale)
-    mask = DecodeMask(window_left, sinks)
-    if backend == "xla":
-        if return_partial_states:
-            raise ValueError("return_partial_states=True needs a Pallas backend, got backend='xla'")
-        o, lse = reference.paged_decode(
-            q, k_pages, v_pages, page_table, seq_lens, layout=layout, cache_batch_idx=cache_batch_idx,
-            sm_scale=sm_scale, soft_cap=soft_cap, mask=mask, dense_mask=dense_mask,
-        )
-        o = o.astype(q.dtype)
-        return (o, lse) if return_lse else o
+    selected = dispatch.backend(dispatch.select(key).backend)
+    return selected.run(
+        "attention", q, k_pages, v_pages, page_table, seq_lens, layout=layout, cache_batch_idx=cache_batch_idx,
+        sm_scale=float(D**-0.5 if sm_scale is None else sm_scale), soft_cap=soft_cap, mask=DecodeMask(window_left, sinks),
+        return_lse=return_lse, return_partial_states=return_partial_states, deterministic=deterministic,
+        num_splits=num_splits, config=config, dense_mask=dense_mask,
+    )
 
+
+def _attention_xla(q, k_pages, v_pages, page_table, seq_lens, *, layout, cache_batch_idx, sm_scale, soft_cap, mask,
+                   return_lse, return_partial_states, deterministic, num_splits, config, dense_mask):
+    del deterministic, num_splits, config  # the reference is unsplit: deterministic and batch-invariant as it is
+    if return_partial_states:
+        raise ValueError("return_partial_states=True needs a Pallas backend, got backend='xla'")
+    o, lse = reference.paged_decode(
+        q, k_pages, v_pages, page_table, seq_lens, layout=layout, cache_batch_idx=cache_batch_idx,
+        sm_scale=sm_scale, soft_cap=soft_cap, mask=mask, dense_mask=dense_mask,
+    )
+    o = o.astype(q.dtype)
+    return (o, lse) if return_lse else o
+
+
+def _attention_pallas(q, k_pages, v_pages, page_table, seq_lens, *, layout, cache_batch_idx, sm_scale, soft_cap, mask,
+                      return_lse, return_partial_states, deterministic, num_splits, config, dense_mask, interpret):
     from pallas_kernels import decode_attention as kernel
     from pallas_kernels import merge_states as merge_kernel
 
+    assert dense_mask is None  # admission rejects dense masks for this backend
+    B, H_q, D = q.shape
+    _, P, H_kv, _ = addressing.pool_geometry(k_pages, layout)
     config = kernel.default_config(D) if config is None else config
     plan = decode_plan(B, H_kv, page_table.shape[1] * P, config.block_k, num_splits=num_splits, deterministic=deterministic)
     start, end = plan.bounds(seq_lens.astype(jnp.int32))
-    interpret = backend == "pallas_triton_interpret"
     rows = jnp.arange(B, dtype=jnp.int32) if cache_batch_idx is None else cache_batch_idx.astype(jnp.int32)
     part_o, part_lse = kernel.paged_decode_partials(
         q, k_pages, v_pages, page_table.astype(jnp.int32), seq_lens.astype(jnp.int32), rows, start, end,
@@ -211,14 +226,19 @@ def merge_states(o: jax.Array, lse: jax.Array, *, backend: str = "auto") -> tupl
         q_len=1, kv_len=S, num_q_heads=1, num_kv_heads=1, head_dim_qk=D, head_dim_v=D,
         cache_layout=KVLayout.CONTIGUOUS_NHD.value, page_size=None, backend_request=backend,
     )
-    backend = dispatch.select(key).backend
-    if backend == "xla":
-        state = split_state.LseState(valid=lse > -jnp.inf, lse=lse.astype(jnp.float32), o=o.astype(jnp.float32))
-        merged = split_state.merge_lse_along(state, axis=-1)
-        return merged.o.astype(o.dtype), merged.lse
+    return dispatch.backend(dispatch.select(key).backend).run("merge_states", o, lse)
+
+
+def _merge_xla(o, lse):
+    state = split_state.LseState(valid=lse > -jnp.inf, lse=lse.astype(jnp.float32), o=o.astype(jnp.float32))
+    merged = split_state.merge_lse_along(state, axis=-1)
+    return merged.o.astype(o.dtype), merged.lse
+
+
+def _merge_pallas(o, lse, *, interpret):
     from pallas_kernels import merge_states as merge_kernel
 
-    return merge_kernel.merge_states(o, lse, out_dtype=o.dtype, interpret=backend == "pallas_triton_interpret")
+    return merge_kernel.merge_states(o, lse, out_dtype=o.dtype, interpret=interpret)
 
 
 def gather_pages(
@@ -248,13 +268,32 @@ def gather_pages(
         q_len=1, kv_len=max_len, num_q_heads=H_kv, num_kv_heads=H_kv, head_dim_qk=D, head_dim_v=D,
         cache_layout=layout.value, page_size=P, backend_request=backend,
     )
-    backend = dispatch.select(key).backend
-    if backend == "xla":
-        return reference.gather_pages(pages, page_table, seq_lens, layout=layout, cache_batch_idx=cache_batch_idx, max_len=max_len)
+    return dispatch.backend(dispatch.select(key).backend).run(
+        "gather_pages", pages, page_table, seq_lens, layout=layout, cache_batch_idx=cache_batch_idx, max_len=max_len
+    )
+
+
+def _gather_pallas(pages, page_table, seq_lens, *, layout, cache_batch_idx, max_len, interpret):
     from pallas_kernels import page_gather
 
+    B = seq_lens.shape[0]
     rows = jnp.arange(B, dtype=jnp.int32) if cache_batch_idx is None else cache_batch_idx.astype(jnp.int32)
     return page_gather.gather_pages(
-        pages, page_table.astype(jnp.int32), seq_lens.astype(jnp.int32), rows,
-        layout=layout, max_len=max_len, interpret=backend == "pallas_triton_interpret",
+        pages, page_table.astype(jnp.int32), seq_lens.astype(jnp.int32), rows, layout=layout, max_len=max_len, interpret=interpret
     )
+
+
+# Each backend's implementation of each operation (`dispatch.Backend.run` looks them up here).
+IMPLEMENTATIONS = {
+    "xla": {"attention": _attention_xla, "merge_states": _merge_xla, "gather_pages": reference.gather_pages},
+    "pallas_triton": {
+        "attention": functools.partial(_attention_pallas, interpret=False),
+        "merge_states": functools.partial(_merge_pallas, interpret=False),
+        "gather_pages": functools.partial(_gather_pallas, interpret=False),
+    },
+    "pallas_triton_interpret": {
+        "attention": functools.partial(_attention_pallas, interpret=True),
+        "merge_states": functools.partial(_merge_pallas, interpret=True),
+        "gather_pages": functools.partial(_gather_pallas, interpret=True),
+    },
+}

@@ -151,6 +151,15 @@ class Backend:
     admit: Callable[[DispatchKey], list[str]]
     package: str | None = None  # import name the backend needs
 
+    def run(self, operation: str, *args, **kwargs):
+        """Runs `operation` with this backend (implementations: `decodejax._ops.IMPLEMENTATIONS`)."""
+        from decodejax import _ops
+
+        implementation = _ops.IMPLEMENTATIONS.get(self.name, {}).get(operation)
+        if implementation is None:
+            raise NotImplementedError(f"backend {self.name!r} has no {operation!r} implementation behind the public ops")
+        return implementation(*args, **kwargs)
+
     def reasons(self, key: DispatchKey) -> list[str]:
         """Every failed predicate (not just the first); [] means admitted."""
         out = []
@@ -226,6 +235,14 @@ REGISTRY: tuple[Backend, ...] = (
 def backends() -> tuple[str, ...]:
     """Names accepted by `backend=` (besides "auto")."""
     return tuple(b.name for b in REGISTRY)
+
+
+def backend(name: str) -> Backend:
+    """The registry entry called `name`."""
+    for b in REGISTRY:
+        if b.name == name:
+            return b
+    raise KeyError(f"no backend {name!r}; backends are {backends()}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -160,3 +160,14 @@ def test_P2_plan_static_fields_are_pinned_and_dynamic_ones_reuse_it():
     with pytest.raises(StalePlan, match="q_dtype: plan 'bfloat16', run 'float16'"):
         q16, k16, t16 = _plan_args(dtype=jnp.float16)
         plan.run(q16, k16, k16, t16, jnp.zeros(2, jnp.int32))
+
+
+def test_backends_are_small_objects_that_run_operations():
+    q, k = jnp.ones((1, 2, 64), jnp.float32), jnp.ones((3, 4, 2, 64), jnp.float32)
+    table, lens = jnp.array([[1, 2]], jnp.int32), jnp.array([6], jnp.int32)
+    out = dispatch.backend("xla").run("gather_pages", k, table, lens, layout=KVLayout.PAGED_NHD, cache_batch_idx=None, max_len=8)
+    assert out.shape == (1, 8, 2, 64) and float(out[0, 6:].sum()) == 0.0
+    with pytest.raises(NotImplementedError, match="'cudnn' has no 'attention' implementation"):
+        dispatch.backend("cudnn").run("attention", q, k)
+    with pytest.raises(KeyError, match="no backend 'fast'"):
+        dispatch.backend("fast")
