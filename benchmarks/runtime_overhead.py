@@ -2,8 +2,8 @@
 
     python -m benchmarks.runtime_overhead --out benchmarks/results/runtime_overhead_cpu.json
 
-Per batch size, over `--steps` steps: host pack+validate time, dispatch time (until the
-compiled step returns), device time (dispatch return until buffers are ready), the one
+Per batch size, over `--steps` steps: host pack+validate time (timed alone), dispatch time
+(the runner's submit, which packs again, minus that pack time, until the compiled step returns), device time (dispatch return until buffers are ready), the one
 device-to-host copy, and the eager (un-jitted) step for comparison. Also: the capture time of
 every bucket, and the padding each bucket costs (padded rows / bucket rows).
 """

@@ -39,6 +39,25 @@ def _num_sms() -> int:
     return int(getattr(device, "core_count", 0) or H200_SMS) if device.platform == "gpu" else H200_SMS
 
 
+def _check_table_values(page_table, seq_lens, cache_batch_idx, *, page_size, num_pages, row_elements) -> None:
+    """Page-table values against the pool; only outside jit (inside, the caller's runtime validated them)."""
+    if _is_concrete(page_table, seq_lens, cache_batch_idx):
+        addressing.validate_page_table(
+            np.asarray(page_table), np.asarray(seq_lens), page_size=page_size, num_pages=num_pages, row_elements=row_elements,
+            cache_batch_idx=None if cache_batch_idx is None else np.asarray(cache_batch_idx),
+        )
+
+
+def _operation_key(operation, dtype, *, kv_len, heads, head_dim, layout, page_size, backend) -> dispatch.DispatchKey:
+    """The dispatch key of a non-attention op (merge_states, gather_pages) on this platform."""
+    dtype = str(jnp.dtype(dtype))
+    return dispatch.DispatchKey(
+        *dispatch.DispatchKey.environment(), operation=operation, phase="decode", q_dtype=dtype, kv_dtype=dtype,
+        q_len=1, kv_len=kv_len, num_q_heads=heads, num_kv_heads=heads, head_dim_qk=head_dim, head_dim_v=head_dim,
+        cache_layout=layout.value, page_size=page_size, backend_request=backend,
+    )
+
+
 def _validate_decode_args(q, k_pages, v_pages, page_table, seq_lens, cache_batch_idx, layout):
     if q.ndim != 3:
         raise ValueError(f"q must be [B, H_q, D]; got shape {q.shape}")
@@ -65,16 +84,7 @@ def _validate_decode_args(q, k_pages, v_pages, page_table, seq_lens, cache_batch
         raise ValueError(f"cache_batch_idx must be [B={B}]; got shape {cache_batch_idx.shape}")
     if num_pages * P * H_kv * D > addressing.INT32_MAX:
         raise ValueError(f"k_pages of {num_pages * P * H_kv * D} elements overflows int32 offsets")
-    # Values can only be checked outside jit; inside jit the caller's runtime validates them.
-    if _is_concrete(page_table, seq_lens, cache_batch_idx):
-        addressing.validate_page_table(
-            np.asarray(page_table),
-            np.asarray(seq_lens),
-            page_size=P,
-            num_pages=num_pages,
-            row_elements=H_kv * D,
-            cache_batch_idx=None if cache_batch_idx is None else np.asarray(cache_batch_idx),
-        )
+    _check_table_values(page_table, seq_lens, cache_batch_idx, page_size=P, num_pages=num_pages, row_elements=H_kv * D)
 
 
 def decode_plan(
@@ -220,12 +230,8 @@ def merge_states(o: jax.Array, lse: jax.Array, *, backend: str = "auto") -> tupl
     if lse.shape != o.shape[:-1]:
         raise ValueError(f"lse must be o.shape[:-1] = {o.shape[:-1]}; got {lse.shape}")
     *_, S, D = o.shape
-    dtype = str(jnp.dtype(o.dtype))
-    key = dispatch.DispatchKey(
-        *dispatch.DispatchKey.environment(), operation="merge_states", phase="decode", q_dtype=dtype, kv_dtype=dtype,
-        q_len=1, kv_len=S, num_q_heads=1, num_kv_heads=1, head_dim_qk=D, head_dim_v=D,
-        cache_layout=KVLayout.CONTIGUOUS_NHD.value, page_size=None, backend_request=backend,
-    )
+    key = _operation_key("merge_states", o.dtype, kv_len=S, heads=1, head_dim=D, layout=KVLayout.CONTIGUOUS_NHD,
+                         page_size=None, backend=backend)
     return dispatch.backend(dispatch.select(key).backend).run("merge_states", o, lse)
 
 
@@ -253,21 +259,12 @@ def gather_pages(
 ) -> jax.Array:
     """The visible rows of a paged pool as [B, max_len, H_kv, D] (default max_len W * P), zeros past seq_len."""
     num_pages, P, H_kv, D = addressing.pool_geometry(pages, layout)
-    B = seq_lens.shape[0]
     if seq_lens.ndim != 1 or page_table.ndim != 2:
         raise ValueError(f"seq_lens must be [B] and page_table [B_c, W]; got {seq_lens.shape}, {page_table.shape}")
-    if _is_concrete(page_table, seq_lens, cache_batch_idx):
-        addressing.validate_page_table(
-            np.asarray(page_table), np.asarray(seq_lens), page_size=P, num_pages=num_pages, row_elements=H_kv * D,
-            cache_batch_idx=None if cache_batch_idx is None else np.asarray(cache_batch_idx),
-        )
+    _check_table_values(page_table, seq_lens, cache_batch_idx, page_size=P, num_pages=num_pages, row_elements=H_kv * D)
     max_len = page_table.shape[1] * P if max_len is None else max_len
-    dtype = str(jnp.dtype(pages.dtype))
-    key = dispatch.DispatchKey(
-        *dispatch.DispatchKey.environment(), operation="gather_pages", phase="decode", q_dtype=dtype, kv_dtype=dtype,
-        q_len=1, kv_len=max_len, num_q_heads=H_kv, num_kv_heads=H_kv, head_dim_qk=D, head_dim_v=D,
-        cache_layout=layout.value, page_size=P, backend_request=backend,
-    )
+    key = _operation_key("gather_pages", pages.dtype, kv_len=max_len, heads=H_kv, head_dim=D, layout=layout,
+                         page_size=P, backend=backend)
     return dispatch.backend(dispatch.select(key).backend).run(
         "gather_pages", pages, page_table, seq_lens, layout=layout, cache_batch_idx=cache_batch_idx, max_len=max_len
     )

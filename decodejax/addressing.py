@@ -61,6 +61,17 @@ def pool_geometry(pages, layout: KVLayout) -> tuple[int, int, int, int]:
     return num_pages, P, H_kv, D
 
 
+def pool_row(page, row, kv_head, *, page_size: int, num_kv_heads: int, layout: KVLayout):
+    """Row of (page, row in page, K/V head) in a paged pool viewed as [num_pages * P * H_kv, D].
+
+    PAGED_NHD: (page P + row) H_kv + h; PAGED_HND: (page H_kv + h) P + row. Works on ints and on
+    jax arrays (the kernels call it on their tile coordinates).
+    """
+    if layout == KVLayout.PAGED_HND:
+        return (page * num_kv_heads + kv_head) * page_size + row
+    return (page * page_size + row) * num_kv_heads + kv_head
+
+
 @dataclasses.dataclass(frozen=True)
 class KVAddress:
     """An element of the K or V tensor: which tensor, and the element offset into it."""
@@ -158,10 +169,9 @@ class KVTranslator:
             off = ((self.cache_row(b) * H + h) * self.token_capacity + t) * D + x
         elif L == KVLayout.RAGGED_NHD:
             off = ((int(self.indptr[b]) + t) * H + h) * D + x
-        elif L in (KVLayout.PAGED_NHD, KVLayout.PAGED_CSR_NHD):
-            off = ((self.page(b, t) * self.page_size + t % self.page_size) * H + h) * D + x
-        else:  # PAGED_HND
-            off = ((self.page(b, t) * H + h) * self.page_size + t % self.page_size) * D + x
+        else:  # paged: CSR shares the NHD storage
+            storage = KVLayout.PAGED_HND if L == KVLayout.PAGED_HND else KVLayout.PAGED_NHD
+            off = pool_row(self.page(b, t), t % self.page_size, h, page_size=self.page_size, num_kv_heads=H, layout=storage) * D + x
         return KVAddress(tensor, off)
 
     def storage_elements(self) -> int:

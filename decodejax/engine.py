@@ -185,8 +185,10 @@ class Engine:
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | dict | None = None) -> int:
         """Queues a request; RequestError (nothing queued, nothing run) if it cannot be served."""
-        ids, params = self._validate(prompt, params if params is not None else SamplingParams())
-        req = Request(next(self._ids), ids, params)
+        return self._enqueue(*self._validate(prompt, params if params is not None else SamplingParams()))
+
+    def _enqueue(self, tokens: list[int], params: SamplingParams) -> int:
+        req = Request(next(self._ids), tokens, params)
         self.waiting.append(req)
         return req.id
 
@@ -199,22 +201,23 @@ class Engine:
                     return
         raise KeyError(f"no live request {request_id}")
 
-    def _finish(self, req: Request, reason: str) -> None:
-        req.finish_reason = reason
+    def _release(self, req: Request) -> None:
+        """Returns the request's blocks and slot to the free lists."""
         self.allocator.free(req.blocks)
-        req.blocks = []
+        req.blocks, req.cached = [], 0
         if req.slot is not None:
             self.free_slots.append(req.slot)
             req.slot = None
+
+    def _finish(self, req: Request, reason: str) -> None:
+        req.finish_reason = reason
+        self._release(req)
         self.finished[req.id] = req
 
     def _preempt(self, req: Request) -> None:
         """Back to the waiting queue; its tokens are prefilled again when it is readmitted."""
         self.running.remove(req)
-        self.allocator.free(req.blocks)
-        req.blocks, req.cached = [], 0
-        self.free_slots.append(req.slot)
-        req.slot = None
+        self._release(req)
         self.waiting.appendleft(req)
 
     def _blocks_for(self, req: Request, tokens: int) -> bool:
@@ -320,12 +323,7 @@ class Engine:
                 validated.append(self._validate(p, sp if sp is not None else SamplingParams()))
             except RequestError as exc:
                 raise RequestError(f"prompt {i}: {exc}") from exc
-        ids = []
-        for tokens, sp in validated:
-            req = Request(next(self._ids), tokens, sp)
-            self.waiting.append(req)
-            ids.append(req.id)
-        return ids
+        return [self._enqueue(tokens, sp) for tokens, sp in validated]
 
     def stream(self, prompts, sampling_params=None) -> Iterator[tuple[int, int]]:
         """Yields (index of the prompt, token id) as tokens are produced."""

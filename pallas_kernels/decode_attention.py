@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from decodejax.addressing import KVLayout, pool_geometry
+from decodejax.addressing import KVLayout, pool_geometry, pool_row
 from decodejax.masks import DecodeMask, visible
 from decodejax.split_state import LOG2_E
 
@@ -100,10 +100,7 @@ def _decode_kernel(
         block = jnp.minimum(t // page_size, width - 1)
         page = plgpu.load(table_ref.at[c, block], mask=live, other=0)
         r = t % page_size
-        if layout == KVLayout.PAGED_NHD:
-            row = (page * page_size + r) * num_kv_heads + h
-        else:
-            row = (page * num_kv_heads + h) * page_size + r
+        row = pool_row(page, r, h, page_size=page_size, num_kv_heads=num_kv_heads, layout=layout)
         k = plgpu.load(k_ref.at[row[:, None], lanes], mask=live[:, None], other=0.0)  # [block_k, D]
         v = plgpu.load(v_ref.at[row[:, None], lanes], mask=live[:, None], other=0.0)
         scores = plgpu.dot(q, k, trans_b=True) * sm_scale  # [16, block_k] f32

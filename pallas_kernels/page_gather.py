@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from decodejax.addressing import KVLayout, pool_geometry
+from decodejax.addressing import KVLayout, pool_geometry, pool_row
 
 
 def _gather_kernel(pages_ref, table_ref, seq_lens_ref, cache_idx_ref, out_ref, *, page_size, num_kv_heads, layout, block_t):
@@ -28,10 +28,7 @@ def _gather_kernel(pages_ref, table_ref, seq_lens_ref, cache_idx_ref, out_ref, *
     live = t < seq_lens_ref[b]
     page = plgpu.load(table_ref.at[cache_idx_ref[b], jnp.minimum(t // page_size, width - 1)], mask=live, other=0)
     r = t % page_size
-    if layout == KVLayout.PAGED_NHD:
-        row = (page * page_size + r) * num_kv_heads + h
-    else:
-        row = (page * num_kv_heads + h) * page_size + r
+    row = pool_row(page, r, h, page_size=page_size, num_kv_heads=num_kv_heads, layout=layout)
     # Refs are indexed with arrays only (no slices), the form Pallas interpret mode can gather.
     lanes = jnp.arange(pages_ref.shape[-1])[None, :]
     rows = plgpu.load(pages_ref.at[row[:, None], lanes], mask=live[:, None], other=0.0)
