@@ -1,20 +1,28 @@
 """End-to-end decode throughput of a Llama on the engine, against its memory-bound roofline.
 
     python -m benchmarks.e2e_decode --model llama3-8b --batch 1,8,32,64,128 --context 512,2048,8192 \
-        --dtype bfloat16 --out benchmarks/results/e2e_decode.json [--peer]
+        --dtype bfloat16 --out benchmarks/results/e2e_decode.json [--peer] [--startup]
 
-For each (batch, context): `batch` requests with `context` random prompt tokens are prefilled,
-then `--steps` decode steps are timed one by one (each step ends with the host copy of its
-tokens, so it is synchronized). Reported: ms per step (median, min), decode tokens/s, and the
-roofline per step, (weight bytes + K/V bytes read) / 4.8 TB/s, with the fraction reached.
+One Engine serves every (batch, context): its pool holds the largest batch x context that fits
+the device (`--pool-tokens`), its decode buckets are exactly the batches asked for. For each
+(batch, context), `batch` requests are seated as if their `context` prompt tokens had been
+prefilled: blocks from the engine's allocator, K/V pages holding random values (the pool is
+filled once), a first generated token. The decode kernel reads every visible key whatever its
+value, so the timed work is what it would be after a real prefill; the prefill itself is not
+timed or run (the engine's prefill attention costs O(prompt^2) reads; see the README). Then
+`--steps` engine steps are timed one by one after `--warmup` steps; each step ends with the host
+copy of its tokens, so it is synchronized. The requests are aborted afterwards and the free
+page count is checked to return to its start.
+
+Reported per shape: ms per step (median, min, raw samples), decode tokens/s = batch / median
+step, and the memory-bound roofline per step: (weight bytes read + K/V bytes read) / 4.8 TB/s.
+Weight bytes read = every parameter except the embedding table, plus the `batch` embedding
+rows gathered (a tied head reads the table as the head). K/V bytes read = batch x context x
+layers x H_kv x D x 2 x itemsize.
+
 `--peer` runs Hugging Face transformers `generate` (static cache, torch.compile) on the same
-shapes and weights in a second process (benchmarks.peers.hf_generate). Start-up: the decode
-buckets' capture time in a fresh process, cold (empty compilation cache) and warm (cache filled).
-
-Not yet run on the H200. Known limit: the engine's prefill runs attention through the decode
-kernel, one query row per prompt token, so its K/V reads grow with the square of the prompt
-length; at the issue's 2048 and 8192 contexts the prefill phase (not the timed decode steps)
-needs a dense prefill attention path first.
+shapes in a second process (benchmarks.peers.hf_generate). `--startup` measures the capture
+time of a fresh process with an empty compilation cache (cold) and again with it filled (warm).
 """
 
 import argparse
@@ -31,51 +39,109 @@ import numpy as np
 DATASHEET_BPS = 4.8e12
 
 
-def weight_bytes(model) -> int:
+def weight_bytes_read(model, batch: int) -> int:
+    """Parameter bytes one decode step reads (see the module docstring)."""
     import jax
     from flax import nnx
 
-    return int(sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param))))
+    total = int(sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param))))
+    table = model.embed[...]
+    if model.config.tie_word_embeddings:
+        return total  # the table is read whole as the output head
+    return total - table.nbytes + batch * table.shape[1] * table.dtype.itemsize
 
 
-def kv_bytes_per_step(config, batch: int, context: int, dtype_bytes: int) -> int:
+def kv_bytes_read(config, batch: int, context: int, dtype_bytes: int) -> int:
     return batch * context * config.num_layers * config.num_kv_heads * config.head_dim * 2 * dtype_bytes
 
 
-def measure(model, batch: int, context: int, steps: int, dtype: str, cache_dir=None) -> dict:
-    from decodejax.engine import Engine, EngineConfig
+def fill_pool_with_noise(engine, seed: int = 0) -> None:
+    """Replaces every K/V page with standard-normal values, one layer at a time, in place."""
+    import jax
+
+    from decodejax.cache import KVPool
+
+    noise = jax.jit(lambda key, pages: jax.random.normal(key, pages.shape, pages.dtype), donate_argnums=1)
+    pool, key = engine.runner.pool, jax.random.key(seed)
+    k, v = list(pool.k), list(pool.v)
+    for layer in range(pool.num_layers):
+        key, kk, kv = jax.random.split(key, 3)
+        k[layer], v[layer] = noise(kk, k[layer]), noise(kv, v[layer])
+    engine.runner.rebind_pool(KVPool(k=tuple(k), v=tuple(v)))
+
+
+def seat_prefilled(engine, batch: int, context: int, max_new_tokens: int, rng) -> list:
+    """`batch` running requests whose first `context` tokens are cached and one token sampled."""
+    from decodejax.engine import Request
     from decodejax.sampling import SamplingParams
 
-    page = 16
-    engine = Engine(model, EngineConfig(max_batch=batch, max_context=context + steps + page, page_size=page, kv_dtype=dtype,
-                                        prefill_token_budget=2048, prefill_buckets=(256, 512, 1024, 2048), compilation_cache_dir=cache_dir))
-    rng = np.random.default_rng(0)
-    params = SamplingParams(temperature=0.0, max_new_tokens=steps + 1)
+    params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, ignore_eos=True)
+    vocab = engine.vocab_size
+    seated = []
     for _ in range(batch):
-        engine.add_request([int(t) for t in rng.integers(0, model.config.vocab_size, context)], params)
-    t0 = time.perf_counter()
-    while len([r for r in engine.running if r.generated]) < batch:
+        prompt = [int(t) for t in rng.integers(0, vocab, context)]
+        # The engine's own bookkeeping, as its admission and prefill would leave it.
+        req = Request(next(engine._ids), prompt, params)
+        if not engine._blocks_for(req, context + max_new_tokens):
+            raise RuntimeError(f"the pool cannot seat {batch} requests of {context} + {max_new_tokens} tokens")
+        req.slot = engine.free_slots.pop()
+        engine.runner.set_sampling(req.slot, params)
+        req.cached = context
+        req.generated.append(int(rng.integers(0, vocab)))
+        engine.running.append(req)
+        seated.append(req)
+    return seated
+
+
+def measure(engine, batch: int, context: int, steps: int, warmup: int, rng) -> dict:
+    free_before = engine.allocator.num_free
+    seated = seat_prefilled(engine, batch, context, warmup + steps + 2, rng)  # still running after the last step
+    for _ in range(warmup):
         engine.step()
-    prefill_s = time.perf_counter() - t0
     times = []
     for _ in range(steps):
         t = time.perf_counter()
-        engine.step()
+        produced = engine.step()
         times.append((time.perf_counter() - t) * 1e3)
-    return {"batch": batch, "context": context, "step_ms_samples": times, "step_ms_median": float(np.median(times)),
-            "step_ms_min": float(np.min(times)), "tokens_per_s": batch / (float(np.median(times)) / 1e3),
-            "prefill_s": prefill_s, "capture_s": sum(engine.capture_seconds.values())}
+        if len(produced) != batch:
+            raise RuntimeError(f"a step produced {len(produced)} tokens for a batch of {batch}")
+    for req in seated:
+        engine.abort(req.id)
+    if engine.allocator.num_free != free_before:
+        raise RuntimeError(f"free pages {engine.allocator.num_free} != {free_before} after the shape")
+    median = float(np.median(times))
+    return {"batch": batch, "context": context, "step_ms_samples": times, "step_ms_median": median,
+            "step_ms_min": float(np.min(times)), "tokens_per_s": batch / (median / 1e3)}
 
 
-def startup(model_name: str, dtype: str, cache_dir: str) -> float:
-    """Capture seconds of a fresh process (decode ladder up to 64) with the given compilation cache."""
-    code = (f"import jax.numpy as jnp; from models import llama; from decodejax.engine import Engine, EngineConfig; "
-            f"e = Engine(llama.random({model_name!r}, dtype=jnp.dtype({dtype!r})), EngineConfig(max_batch=64, max_context=1024, "
-            f"kv_dtype={dtype!r}, compilation_cache_dir={cache_dir!r})); print(sum(e.capture_seconds.values()))")
+def attach_peer_ratios(rows: list[dict], peer_rows: list[dict]) -> None:
+    """Adds speedup_vs_transformers (our tokens/s over the peer's) to each shape both measured."""
+    peer = {(r["batch"], r["context"]): r["tokens_per_s"] for r in peer_rows if "tokens_per_s" in r}
+    for r in rows:
+        if "tokens_per_s" in r and (r["batch"], r["context"]) in peer:
+            r["speedup_vs_transformers"] = r["tokens_per_s"] / peer[(r["batch"], r["context"])]
+
+
+def build_engine(model, batches, max_context: int, pool_tokens: int, page: int, dtype: str, cache_dir=None):
+    from decodejax.engine import Engine, EngineConfig
+
+    num_pages = -(-pool_tokens // page) + 1
+    return Engine(model, EngineConfig(max_batch=max(batches), max_context=max_context, page_size=page, num_pages=num_pages,
+                                      capture_ladder=tuple(sorted(batches)), kv_dtype=dtype, compilation_cache_dir=cache_dir))
+
+
+def startup(model_name: str, dtype: str, batches, max_context: int, cache_dir: str) -> dict:
+    """A fresh process: seconds to build the model and to capture the decode buckets."""
+    code = ("import time, jax.numpy as jnp; t = time.perf_counter(); from models import llama; "
+            "from benchmarks.e2e_decode import build_engine; "
+            f"m = llama.random({model_name!r}, dtype=jnp.dtype({dtype!r})); b = time.perf_counter() - t; "
+            f"e = build_engine(m, {tuple(batches)!r}, {max_context}, {max(batches) * max_context}, 16, {dtype!r}, {cache_dir!r}); "
+            "print(b, sum(e.capture_seconds.values()))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1800)
     if out.returncode:
         raise RuntimeError(out.stderr[-2000:])
-    return float(out.stdout.strip().splitlines()[-1])
+    build, capture = (float(x) for x in out.stdout.strip().splitlines()[-1].split())
+    return {"model_build_s": build, "capture_s": capture}
 
 
 def main(argv=None):
@@ -84,8 +150,11 @@ def main(argv=None):
     parser.add_argument("--batch", default="1,8,32,64,128")
     parser.add_argument("--context", default="512,2048,8192")
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--peer", action="store_true")
+    parser.add_argument("--pool-tokens", type=int, default=None, help="pool capacity in tokens (default: the largest batch x context)")
+    parser.add_argument("--peer", action="store_true", help="run benchmarks.peers.hf_generate in a second process")
+    parser.add_argument("--peer-json", default=None, help="a finished benchmarks.peers.hf_generate result to compare with")
     parser.add_argument("--startup", action="store_true")
     parser.add_argument("--out", default="benchmarks/results/e2e_decode.json")
     args = parser.parse_args(argv)
@@ -94,30 +163,59 @@ def main(argv=None):
 
     from models import llama
 
+    batches = [int(b) for b in args.batch.split(",")]
+    contexts = [int(c) for c in args.context.split(",")]
+    page, extra = 16, args.warmup + args.steps + 2
+    pool_tokens = args.pool_tokens or max(batches) * (max(contexts) + extra + page)
+    t0 = time.perf_counter()
     model = llama.random(args.model, dtype=jnp.dtype(args.dtype))
-    wbytes = weight_bytes(model)
+    build_s = time.perf_counter() - t0
+    engine = build_engine(model, batches, max(contexts) + extra + page, pool_tokens, page, args.dtype)
+    fill_pool_with_noise(engine)
     dbytes = jnp.dtype(args.dtype).itemsize
+    rng = np.random.default_rng(0)
     rows = []
-    for context in (int(c) for c in args.context.split(",")):
-        for batch in (int(b) for b in args.batch.split(",")):
-            r = measure(model, batch, context, args.steps, args.dtype)
-            roof_ms = (wbytes + kv_bytes_per_step(model.config, batch, context, dbytes)) / DATASHEET_BPS * 1e3
-            r.update(roofline_ms=roof_ms, roofline_fraction=roof_ms / r["step_ms_median"])
-            rows.append(r)
-            print(f"B={batch:4d} T={context:5d}  {r['step_ms_median']:8.2f} ms/step  {r['tokens_per_s']:9.1f} tok/s  "
-                  f"roofline {roof_ms:6.2f} ms ({r['roofline_fraction']:.0%})", flush=True)
     result = {"machine": {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "python": platform.python_version()},
-              "model": args.model, "dtype": args.dtype, "weight_bytes": wbytes, "rows": rows}
+              "model": args.model, "dtype": args.dtype, "pool_tokens": pool_tokens, "model_build_s": build_s,
+              "capture_s": engine.capture_seconds, "steps": args.steps, "warmup": args.warmup, "rows": rows}
+    for context in contexts:
+        for batch in batches:
+            need = batch * -(-(context + extra) // page)
+            if need > engine.allocator.num_free:
+                rows.append({"batch": batch, "context": context, "skipped": f"{need} pages needed, the pool holds {engine.allocator.num_free}"})
+                print(f"B={batch:4d} T={context:5d}  skipped: {rows[-1]['skipped']}", flush=True)
+                continue
+            r = measure(engine, batch, context, args.steps, args.warmup, rng)
+            wbytes, kvbytes = weight_bytes_read(model, batch), kv_bytes_read(model.config, batch, context, dbytes)
+            roof_ms = (wbytes + kvbytes) / DATASHEET_BPS * 1e3
+            r.update(weight_bytes_read=wbytes, kv_bytes_read=kvbytes, roofline_ms=roof_ms, roofline_fraction=roof_ms / r["step_ms_median"])
+            rows.append(r)
+            write_json(result, args.out)  # after every shape: a cut-off run keeps what it measured
+            print(f"B={batch:4d} T={context:5d}  {r['step_ms_median']:8.2f} ms/step (min {r['step_ms_min']:.2f})  "
+                  f"{r['tokens_per_s']:9.1f} tok/s  roofline {roof_ms:6.2f} ms ({r['roofline_fraction']:.0%})", flush=True)
+    startup_context = min(2048, model.config.max_position_embeddings)
+    del engine, model
     if args.startup:
         cache = tempfile.mkdtemp(prefix="decodejax_cc_")
-        result["startup_capture_s"] = {"cold": startup(args.model, args.dtype, cache), "warm": startup(args.model, args.dtype, cache)}
+        result["startup"] = {"batches": batches, "max_context": startup_context,
+                             "cold": startup(args.model, args.dtype, batches, startup_context, cache),
+                             "warm": startup(args.model, args.dtype, batches, startup_context, cache)}
+        print("startup", result["startup"], flush=True)
+    peer_json = args.peer_json
     if args.peer:
-        peer_out = os.path.join(tempfile.mkdtemp(), "hf.json")
+        peer_json = os.path.join(tempfile.mkdtemp(), "hf.json")
         subprocess.run([sys.executable, "-m", "benchmarks.peers.hf_generate", "--model", args.model, "--batch", args.batch,
-                        "--context", args.context, "--steps", str(args.steps), "--out", peer_out], check=False, timeout=3000)
-        if os.path.exists(peer_out):
-            result["peer_transformers"] = json.load(open(peer_out))
-    json.dump(result, open(args.out, "w"), indent=1)
+                        "--context", args.context, "--steps", str(args.steps), "--out", peer_json], check=False, timeout=3000)
+    if peer_json and os.path.exists(peer_json):
+        with open(peer_json) as f:
+            result["peer_transformers"] = json.load(f)
+        attach_peer_ratios(rows, result["peer_transformers"]["rows"])
+    write_json(result, args.out)
+
+
+def write_json(result: dict, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -61,41 +61,61 @@ class PageAllocator:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVPool:
-    """Per-layer K and V pages in the decode kernel's PAGED_NHD layout.
+    """K and V pages in the decode kernel's PAGED_NHD layout, one array per layer.
+
+    One array per layer (not one [L, ...] array) because a kernel reads a layer's pages in
+    place: slicing layer l out of a stacked pool is a copy of the whole layer on GPUs
+    (a custom call takes whole buffers), every layer, every step.
 
     Attributes:
-      k: [num_layers, num_pages, P, H_kv, D].
-      v: [num_layers, num_pages, P, H_kv, D].
+      k: L arrays [num_pages, P, H_kv, D].
+      v: L arrays [num_pages, P, H_kv, D].
     """
 
-    k: jax.Array
-    v: jax.Array
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
 
     @staticmethod
     def create(num_layers: int, num_pages: int, page_size: int, kv_heads: int, head_dim: int, dtype=jnp.bfloat16) -> "KVPool":
-        shape = (num_layers, num_pages, page_size, kv_heads, head_dim)
-        return KVPool(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+        shape = (num_pages, page_size, kv_heads, head_dim)
+        return KVPool(k=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
+                      v=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)))
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.k)
+
+    @property
+    def page_shape(self) -> tuple[int, int, int, int]:
+        """[num_pages, P, H_kv, D] of every layer."""
+        return tuple(self.k[0].shape)
+
+    @property
+    def dtype(self):
+        return self.k[0].dtype
 
     @property
     def num_pages(self) -> int:
-        return self.k.shape[1]
+        return self.page_shape[0]
 
     @property
     def page_size(self) -> int:
-        return self.k.shape[2]
+        return self.page_shape[1]
 
     def write(self, layer: int, slots: jax.Array, k_new: jax.Array, v_new: jax.Array) -> "KVPool":
         """Writes rows k_new/v_new [n, H_kv, D] at flat slots i32[n] (page * P + row) of one layer.
 
-        One scatter per tensor into the [L, num_pages * P, H_kv, D] view (a bitcast), so a
-        donated pool is updated in place.
+        One scatter per tensor into the layer's [num_pages * P, H_kv, D] view (a bitcast), so
+        a donated pool is updated in place.
         """
-        L, N, P, H, D = self.k.shape
+        N, P, H, D = self.page_shape
 
         def scatter(pages, rows):
-            return pages.reshape(L, N * P, H, D).at[layer, slots].set(rows.astype(pages.dtype)).reshape(L, N, P, H, D)
+            return pages.reshape(N * P, H, D).at[slots].set(rows.astype(pages.dtype)).reshape(N, P, H, D)
 
-        return KVPool(k=scatter(self.k, k_new), v=scatter(self.v, v_new))
+        k, v = list(self.k), list(self.v)
+        k[layer], v[layer] = scatter(k[layer], k_new), scatter(v[layer], v_new)
+        return KVPool(k=tuple(k), v=tuple(v))
 
 
 @dataclasses.dataclass(frozen=True)

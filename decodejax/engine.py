@@ -79,6 +79,7 @@ class EngineConfig:
       prefill_token_budget: prompt tokens prefilled per step (chunked prefill).
       prefill_buckets: padded token counts of the prefill forward (one compile each).
       max_capture_bs: top of the decode capture ladder.
+      capture_ladder: the decode buckets (default: the runner's ladder up to max_capture_bs).
       kv_dtype: K/V pool dtype.
       compilation_cache_dir: JAX persistent compilation cache for the decode buckets (None: off).
     """
@@ -90,6 +91,7 @@ class EngineConfig:
     prefill_token_budget: int = 256
     prefill_buckets: tuple[int, ...] = (16, 32, 64, 128, 256)
     max_capture_bs: int | None = None
+    capture_ladder: tuple[int, ...] | None = None
     kv_dtype: str = "float32"
     compilation_cache_dir: str | None = None
 
@@ -152,7 +154,7 @@ class Engine:
         top = ec.max_capture_bs or ec.max_batch
         self.runner = DecodeRunner(forward, state, pool, self.router, model.layer_leaves, [backend],
                                    RunnerConfig(max_decode_bs=ec.max_batch, max_capture_bs=min(top, ec.max_batch),
-                                                compilation_cache_dir=ec.compilation_cache_dir),
+                                                capture_ladder=ec.capture_ladder, compilation_cache_dir=ec.compilation_cache_dir),
                                    vocab_size=c.vocab_size, max_requests=ec.max_batch)
         self.layer_leaves = tuple(model.layer_leaves)
         self.allocator = PageAllocator(num_pages)
@@ -249,7 +251,7 @@ class Engine:
         req.generated.append(token)
         produced.append((req.id, token))
         p = req.params
-        if token == self.eos or token in p.stop_token_ids:
+        if (token == self.eos and not p.ignore_eos) or token in p.stop_token_ids:
             self.running.remove(req)
             self._finish(req, "stop")
         elif len(req.generated) >= p.max_new_tokens:

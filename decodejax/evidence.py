@@ -91,17 +91,22 @@ def loaded_artifacts() -> list[dict]:
 
 
 def source_identity() -> dict:
-    commit = None
+    commit, commit_from = None, None
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10).stdout.strip() or None
+        commit_from = "git" if commit else None
     except (OSError, subprocess.SubprocessError):
         pass
+    if commit is None and os.environ.get("DECODEJAX_SOURCE_COMMIT"):
+        # A copy of the tree without .git (e.g. a remote GPU machine): the caller names the
+        # commit, and the chain's content hashes below let anyone check the claim against it.
+        commit, commit_from = os.environ["DECODEJAX_SOURCE_COMMIT"], "DECODEJAX_SOURCE_COMMIT"
     chain = []
     for rel, symbol in SOURCE_CHAIN:
         path = REPO / rel
         text = path.read_text() if path.exists() else ""
         chain.append({"path": rel, "sha256": hashlib.sha256(text.encode()).hexdigest() if text else None, "symbol": symbol, "present": symbol in text})
-    return {"commit": commit, "chain": chain}
+    return {"commit": commit, "commit_from": commit_from, "chain": chain}
 
 
 def _profile_names_kernel(fn, args, name: str) -> dict:

@@ -91,14 +91,15 @@ class AttentionLeafBackend(BackendNode):
     dtype: str
 
     def validate_pool(self, pool: KVPool) -> list[str]:
-        L, _, P, H, D = pool.k.shape
+        L, (_, P, H, D) = pool.num_layers, pool.page_shape
         reasons = []
         if max(self.layers) >= L:
             reasons.append(f"{self.leaf}: layer {max(self.layers)} outside a pool of {L} layers")
         if (P, H, D) != (self.page_size, self.kv_heads, self.head_dim):
             reasons.append(f"{self.leaf}: pool pages [P={P}, H_kv={H}, D={D}] != [{self.page_size}, {self.kv_heads}, {self.head_dim}]")
-        if str(pool.k.dtype) != self.dtype or pool.v.shape != pool.k.shape:
-            reasons.append(f"{self.leaf}: pool K {pool.k.dtype}{list(pool.k.shape)} / V {list(pool.v.shape)} != {self.dtype}")
+        shapes = {(str(a.dtype), a.shape) for a in pool.k + pool.v}
+        if len(shapes) != 1 or str(pool.dtype) != self.dtype:
+            reasons.append(f"{self.leaf}: pool layers {sorted(shapes)} are not all {self.dtype}{list(pool.page_shape)}")
         return reasons
 
 
@@ -318,8 +319,8 @@ class DecodeRunner:
         reasons = [r for node in self.backends for r in node.validate_pool(pool)]
         if reasons:
             raise RebindError(f"pool rebind rejected: {reasons}")
-        reshaped = jax.tree.map(lambda a, b: a.shape != b.shape, self.pool, pool)
+        reshaped = [a.shape for a in jax.tree.leaves(self.pool)] != [a.shape for a in jax.tree.leaves(pool)]
         self.pool = pool
-        if any(jax.tree.leaves(reshaped)):
+        if reshaped:
             self._executables.clear()
             self.capture_seconds.clear()

@@ -29,6 +29,7 @@ class SamplingParams:
       seed: the request's PRNG seed (draws depend only on seed and position).
       max_new_tokens: >= 1.
       stop_token_ids: tokens that finish the request.
+      ignore_eos: keep generating past the model's EOS token (fixed-length runs, benchmarks).
     """
 
     temperature: float = 1.0
@@ -38,6 +39,7 @@ class SamplingParams:
     seed: int = 0
     max_new_tokens: int = 16
     stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
 
     def __post_init__(self):
         def bad(name, value, rule):

@@ -162,7 +162,7 @@ class Attention(nnx.Module):
         pool = pool.write(self.layer, ctx.write_locations(self.layer, ctx.mode), flat(k), flat(v))
         table, lens = ctx.attention_rows(self.layer)
         window = None if c.sliding_window is None else c.sliding_window - 1
-        o = decodejax.decode_attention(flat(q).astype(pool.k.dtype), pool.k[self.layer], pool.v[self.layer], table, lens,
+        o = decodejax.decode_attention(flat(q).astype(pool.dtype), pool.k[self.layer], pool.v[self.layer], table, lens,
                                        window_left=window)
         return o.reshape(rows, N, c.num_heads * c.head_dim).astype(x.dtype) @ self.wo[...], pool
 

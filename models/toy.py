@@ -56,7 +56,7 @@ def forward(config: ToyConfig, params: dict, pool: KVPool, ctx: ForwardContext) 
         pool = pool.write(layer, ctx.write_locations(layer, ctx.mode), k, v)
         table, lens = ctx.attention_rows(layer)
         o = decodejax.decode_attention(
-            q.astype(pool.k.dtype), pool.k[layer], pool.v[layer], table, lens, backend=config.backend
+            q.astype(pool.dtype), pool.k[layer], pool.v[layer], table, lens, backend=config.backend
         )
         x = x + (o.astype(jnp.float32).reshape(rows, N, H_q * D) @ w["wo"])
     return x @ params["unembed"], pool

@@ -37,15 +37,22 @@ def edge_lengths(spec: Spec, num_splits: int = 4) -> list[int]:
     return sorted({min(max(x, 0), T) for x in edges})
 
 
-def make_problem(spec: Spec, rng: np.random.Generator, poison=np.nan, lengths=None):
-    """Returns numpy float32 q [B, H_q, D], pools [num_pages, P, H_kv, D] (NHD), table, lens, cache_rows."""
+def make_problem(spec: Spec, rng: np.random.Generator, poison=np.nan, lengths=None, num_pages=None):
+    """Returns numpy float32 q [B, H_q, D], pools [num_pages, P, H_kv, D] (NHD), table, lens, cache_rows.
+
+    num_pages: pool size (default: the pages in use + the null page + 3 unused); a fixed size
+    keeps one compiled shape across draws. Unused pages hold `poison` like every invisible slot.
+    """
     B, P = spec.batch, spec.page_size
     if lengths is None:
         edges = edge_lengths(spec)
         lengths = np.where(rng.random(B) < 0.5, rng.choice(edges, B), rng.integers(0, spec.max_len + 1, B))
     lens = np.asarray(lengths, np.int32)
     pages_per_row = -(-lens // P)
-    num_pages = int(pages_per_row.sum()) + 1 + 3  # + null page + 3 unused pages
+    needed = int(pages_per_row.sum()) + 1 + 3  # + null page + 3 unused pages
+    if num_pages is not None and num_pages < needed:
+        raise ValueError(f"num_pages={num_pages} < the {needed} pages these lengths need")
+    num_pages = num_pages or needed
     perm = rng.permutation(np.arange(1, num_pages)).astype(np.int32)
     cache_rows = rng.permutation(B).astype(np.int32) if spec.remap else np.arange(B, dtype=np.int32)
     table = np.zeros((B, spec.width), np.int32)  # unused columns point at the null page
@@ -58,9 +65,9 @@ def make_problem(spec: Spec, rng: np.random.Generator, poison=np.nan, lengths=No
     req = np.repeat(np.arange(B), lens)
     t = np.arange(len(req)) - np.repeat(np.concatenate([[0], np.cumsum(lens)[:-1]]), lens)
     pages, rows = table[cache_rows[req], t // P], t % P
-    k[pages, rows] = rng.normal(size=(len(req), spec.kv_heads, spec.head_dim))
-    v[pages, rows] = rng.normal(size=(len(req), spec.kv_heads, spec.head_dim))
-    q = rng.normal(size=(B, spec.q_heads, spec.head_dim)).astype(np.float32)
+    k[pages, rows] = rng.standard_normal((len(req), spec.kv_heads, spec.head_dim), np.float32)
+    v[pages, rows] = rng.standard_normal((len(req), spec.kv_heads, spec.head_dim), np.float32)
+    q = rng.standard_normal((B, spec.q_heads, spec.head_dim), np.float32)
     return {"q": q, "k_pages": k, "v_pages": v, "page_table": table, "seq_lens": lens, "cache_batch_idx": cache_rows}
 
 

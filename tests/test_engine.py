@@ -1,5 +1,7 @@
 """The continuous-batching engine on a tiny random Llama (CPU)."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -94,3 +96,13 @@ def test_stop_tokens_and_seeded_sampling(model):
     assert first == again
     stopped = engine.generate(["seed me"], SamplingParams(temperature=1.0, seed=7, max_new_tokens=8, stop_token_ids=(first[2],)))[0]
     assert stopped.token_ids == first[: first.index(first[2]) + 1] and stopped.finish_reason == "stop"
+
+
+def test_eos_finishes_a_request_unless_ignore_eos(model, reference_outputs):
+    greedy = reference_outputs["hello"]
+    eos = greedy[3]
+    same_weights = llama.random(dataclasses.replace(llama.PRESETS["tiny"], eos_token_id=eos), seed=1)
+    engine = Engine(same_weights, EngineConfig(max_batch=2, max_context=128))
+    stopped, ignored = engine.generate(["hello", "hello"], [GREEDY, dataclasses.replace(GREEDY, ignore_eos=True)])
+    assert stopped.token_ids == greedy[: greedy.index(eos) + 1] and stopped.finish_reason == "stop"
+    assert ignored.token_ids == greedy and ignored.finish_reason == "length"

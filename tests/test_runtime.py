@@ -209,6 +209,20 @@ def test_R1_capture_refresh_over_placeholder_tables():
     assert np.all(np.asarray(buffers.write_slots["full"]) < P)
 
 
+def test_kv_pool_write_lands_at_its_slots_in_one_layer_and_in_place():
+    pool = KVPool.create(3, 4, 2, 2, 3, jnp.float32)
+    before = [a.unsafe_buffer_pointer() for a in pool.k + pool.v]
+    rows = jnp.arange(2 * 2 * 3, dtype=jnp.float32).reshape(2, 2, 3) + 1
+    write = jax.jit(lambda p, s, k, v: p.write(1, s, k, v), donate_argnums=(0,))
+    pool = write(pool, jnp.array([3, 6], jnp.int32), rows, -rows)  # page 1 row 1, page 3 row 0
+    k, v = np.stack(pool.k), np.stack(pool.v)
+    np.testing.assert_array_equal(k[1, 1, 1], rows[0])
+    np.testing.assert_array_equal(v[1, 3, 0], -rows[1])
+    assert np.count_nonzero(k) == np.count_nonzero(v) == 2 * rows[0].size  # nothing else, no other layer
+    # Donated per-layer buffers are updated in place: a step never copies the cache.
+    assert [a.unsafe_buffer_pointer() for a in pool.k + pool.v] == before
+
+
 def test_R5_write_locations_is_mode_checked():
     buffers = DecodeBuffers.create(ROUTER, 4, 1)
     ctx = ForwardContext.for_decode(buffers, 4, CFG.layer_leaves)
@@ -247,7 +261,7 @@ def test_R2_above_ladder_decode_matches_eager(caplog):
         bucketed.step(rows)
     assert caplog.text.count("11 rows is above the capture ladder") == 1  # announced once per size
     # Page 0 differs by design: capture ran padded rows, which write there.
-    np.testing.assert_allclose(np.asarray(bucketed.pool.k)[:, 1:], np.asarray(eager.pool.k)[:, 1:], atol=1e-6)
+    np.testing.assert_allclose(np.stack(bucketed.pool.k)[:, 1:], np.stack(eager.pool.k)[:, 1:], atol=1e-6)
 
 
 def test_R2_sizes_between_the_ladder_top_and_max_capture_bs_run_at_their_exact_size():
@@ -290,7 +304,7 @@ def test_R3_padded_rows_with_nan_activations_never_touch_live_pages():
     assert padded.bucket_for(5) == 8
     out_padded, out_exact = padded.step(rows), exact.step(rows)
     np.testing.assert_array_equal(out_padded, out_exact)
-    k_pad, k_exact = np.asarray(padded.pool.k), np.asarray(exact.pool.k)
+    k_pad, k_exact = np.stack(padded.pool.k), np.stack(exact.pool.k)
     live_pages = np.arange(1, NUM_PAGES)
     np.testing.assert_allclose(k_pad[:, live_pages].sum(), k_exact[:, live_pages].sum(), rtol=1e-6)
     assert not np.isnan(k_pad[:, live_pages]).any()
@@ -306,7 +320,7 @@ def test_R1_a_bucket_reused_with_100_table_sets_matches_eager_every_step():
     for step in range(100):
         rows = random_rows(rng, int(rng.integers(5, 9)))  # bucket 8 every step
         np.testing.assert_array_equal(runner.step(rows), eager.step(rows), err_msg=f"step {step}")
-    np.testing.assert_allclose(np.asarray(runner.pool.k)[:, 1:], np.asarray(eager.pool.k)[:, 1:], atol=1e-5)
+    np.testing.assert_allclose(np.stack(runner.pool.k)[:, 1:], np.stack(eager.pool.k)[:, 1:], atol=1e-5)
 
 
 class NoBuckets(BackendNode):
