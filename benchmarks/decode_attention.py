@@ -18,7 +18,6 @@ import datetime
 import functools
 import json
 import platform
-import time
 
 import numpy as np
 
@@ -31,16 +30,9 @@ BUILTIN_K_SPLITS = (1, 2, 4, 8, 16)
 
 
 def time_jax(fn, *args) -> list[float]:
-    for _ in range(WARMUP):
-        fn(*args).block_until_ready()
-    samples = []
-    for _ in range(SAMPLES):
-        t0 = time.perf_counter()
-        for _ in range(REPS):
-            out = fn(*args)
-        out.block_until_ready()
-        samples.append((time.perf_counter() - t0) * 1e6 / REPS)
-    return samples
+    from decodejax import evidence
+
+    return evidence.timed_samples(fn, args, samples=SAMPLES, reps=REPS, warmup=WARMUP)
 
 
 def summarize(samples, nbytes):

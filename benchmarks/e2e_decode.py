@@ -122,6 +122,21 @@ def attach_peer_ratios(rows: list[dict], peer_rows: list[dict]) -> None:
             r["speedup_vs_transformers"] = r["tokens_per_s"] / peer[(r["batch"], r["context"])]
 
 
+# Device memory left for compiled steps' temporaries (and autotuning) beside the weights and the pool.
+HEADROOM_BYTES = 8 << 30
+
+
+def default_pool_tokens(config, wanted: int, dtype_bytes: int) -> int:
+    """`wanted`, or as many tokens as the device's free memory holds after HEADROOM_BYTES."""
+    import jax
+
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" not in stats:
+        return wanted
+    free = stats["bytes_limit"] - stats.get("bytes_in_use", 0) - HEADROOM_BYTES
+    return max(0, min(wanted, free // kv_bytes_read(config, 1, 1, dtype_bytes)))
+
+
 def build_engine(model, batches, max_context: int, pool_tokens: int, page: int, dtype: str, cache_dir=None):
     from decodejax.engine import Engine, EngineConfig
 
@@ -166,10 +181,10 @@ def main(argv=None):
     batches = [int(b) for b in args.batch.split(",")]
     contexts = [int(c) for c in args.context.split(",")]
     page, extra = 16, args.warmup + args.steps + 2
-    pool_tokens = args.pool_tokens or max(batches) * (max(contexts) + extra + page)
     t0 = time.perf_counter()
     model = llama.random(args.model, dtype=jnp.dtype(args.dtype))
     build_s = time.perf_counter() - t0
+    pool_tokens = args.pool_tokens or default_pool_tokens(model.config, max(batches) * (max(contexts) + extra + page), jnp.dtype(args.dtype).itemsize)
     engine = build_engine(model, batches, max(contexts) + extra + page, pool_tokens, page, args.dtype)
     fill_pool_with_noise(engine)
     dbytes = jnp.dtype(args.dtype).itemsize
