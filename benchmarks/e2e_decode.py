@@ -137,6 +137,18 @@ def default_pool_tokens(config, wanted: int, dtype_bytes: int) -> int:
     return max(0, min(wanted, free // kv_bytes_read(config, 1, 1, dtype_bytes)))
 
 
+def compiled_memory(engine) -> dict:
+    """Per bucket: bytes of the step's temporaries and of the donated (aliased) buffers.
+
+    A temp size that grows with the pool would mean the step copies cache layers.
+    """
+    out = {}
+    for bs, executable in sorted(engine.runner._executables.items()):
+        stats = executable.memory_analysis()
+        out[bs] = {"temp_bytes": stats.temp_size_in_bytes, "alias_bytes": stats.alias_size_in_bytes}
+    return out
+
+
 def build_engine(model, batches, max_context: int, pool_tokens: int, page: int, dtype: str, cache_dir=None):
     from decodejax.engine import Engine, EngineConfig
 
@@ -185,14 +197,18 @@ def main(argv=None):
     model = llama.random(args.model, dtype=jnp.dtype(args.dtype))
     build_s = time.perf_counter() - t0
     pool_tokens = args.pool_tokens or default_pool_tokens(model.config, max(batches) * (max(contexts) + extra + page), jnp.dtype(args.dtype).itemsize)
+    print(f"model built in {build_s:.1f} s; pool of {pool_tokens} tokens", flush=True)
     engine = build_engine(model, batches, max(contexts) + extra + page, pool_tokens, page, args.dtype)
+    print(f"captured {sorted(engine.capture_seconds)} in {sum(engine.capture_seconds.values()):.1f} s", flush=True)
     fill_pool_with_noise(engine)
     dbytes = jnp.dtype(args.dtype).itemsize
     rng = np.random.default_rng(0)
     rows = []
     result = {"machine": {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "python": platform.python_version()},
               "model": args.model, "dtype": args.dtype, "pool_tokens": pool_tokens, "model_build_s": build_s,
-              "capture_s": engine.capture_seconds, "steps": args.steps, "warmup": args.warmup, "rows": rows}
+              "capture_s": engine.capture_seconds, "compiled_memory": compiled_memory(engine), "steps": args.steps,
+              "warmup": args.warmup, "rows": rows}
+    print("compiled memory per bucket", result["compiled_memory"], flush=True)
     for context in contexts:
         for batch in batches:
             need = batch * -(-(context + extra) // page)

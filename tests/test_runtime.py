@@ -219,6 +219,12 @@ def test_kv_pool_write_lands_at_its_slots_in_one_layer_and_in_place():
     np.testing.assert_array_equal(k[1, 1, 1], rows[0])
     np.testing.assert_array_equal(v[1, 3, 0], -rows[1])
     assert np.count_nonzero(k) == np.count_nonzero(v) == 2 * rows[0].size  # nothing else, no other layer
+    # One row takes the dynamic-update-slice path: same placement, nothing else touched.
+    pool = write(pool, jnp.array([7], jnp.int32), rows[:1] * 10, rows[:1] * 10)  # page 3 row 1
+    k = np.stack(pool.k)
+    np.testing.assert_array_equal(k[1, 3, 1], rows[0] * 10)
+    np.testing.assert_array_equal(k[1, 1, 1], rows[0])
+    assert np.count_nonzero(k) == 3 * rows[0].size
     # Donated per-layer buffers are updated in place: a step never copies the cache.
     assert [a.unsafe_buffer_pointer() for a in pool.k + pool.v] == before
 
