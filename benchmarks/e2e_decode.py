@@ -137,18 +137,6 @@ def default_pool_tokens(config, wanted: int, dtype_bytes: int) -> int:
     return max(0, min(wanted, free // kv_bytes_read(config, 1, 1, dtype_bytes)))
 
 
-def compiled_memory(engine) -> dict:
-    """Per bucket: bytes of the step's temporaries and of the donated (aliased) buffers.
-
-    A temp size that grows with the pool would mean the step copies cache layers.
-    """
-    out = {}
-    for bs, executable in sorted(engine.runner._executables.items()):
-        stats = executable.memory_analysis()
-        out[bs] = {"temp_bytes": stats.temp_size_in_bytes, "alias_bytes": stats.alias_size_in_bytes}
-    return out
-
-
 def build_engine(model, batches, max_context: int, pool_tokens: int, page: int, dtype: str, cache_dir=None):
     from decodejax.engine import Engine, EngineConfig
 
@@ -206,7 +194,7 @@ def main(argv=None):
     rows = []
     result = {"machine": {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "python": platform.python_version()},
               "model": args.model, "dtype": args.dtype, "pool_tokens": pool_tokens, "model_build_s": build_s,
-              "capture_s": engine.capture_seconds, "compiled_memory": compiled_memory(engine), "steps": args.steps,
+              "capture_s": engine.capture_seconds, "compiled_memory": engine.runner.compiled_memory(), "steps": args.steps,
               "warmup": args.warmup, "rows": rows}
     print("compiled memory per bucket", result["compiled_memory"], flush=True)
     for context in contexts:

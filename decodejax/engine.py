@@ -115,6 +115,15 @@ class Request:
     def tokens(self) -> list[int]:
         return self.prompt + self.generated
 
+    @property
+    def num_tokens(self) -> int:
+        """len(tokens) without building it: the decode loop asks every step, for every request."""
+        return len(self.prompt) + len(self.generated)
+
+    @property
+    def last_token(self) -> int:
+        return self.generated[-1] if self.generated else self.prompt[-1]
+
 
 @dataclasses.dataclass(frozen=True)
 class Result:
@@ -237,7 +246,7 @@ class Engine:
         """One scheduler iteration; returns the (request_id, token) pairs it produced."""
         while self.waiting and self.free_slots:
             req = self.waiting[0]
-            if not self._blocks_for(req, len(req.tokens) + 1):
+            if not self._blocks_for(req, req.num_tokens + 1):
                 break  # out of pages: it waits
             self.waiting.popleft()
             req.slot = self.free_slots.pop()
@@ -261,7 +270,7 @@ class Engine:
     def _prefill_step(self) -> list[tuple[int, int]]:
         budget, chunks = self.config.prefill_token_budget, []
         for req in self.running:
-            todo = len(req.tokens) - 1 - req.cached if req.generated else len(req.tokens) - req.cached
+            todo = req.num_tokens - 1 - req.cached if req.generated else req.num_tokens - req.cached
             if todo > 0 and budget > 0:
                 n = min(todo, budget)
                 chunks.append((req, n))
@@ -287,14 +296,14 @@ class Engine:
         produced = []
         for i, (r, n) in enumerate(chunks):
             r.cached += n
-            if r.cached == len(r.tokens) and not r.generated:  # the prompt is in: its first token
+            if r.cached == r.num_tokens and not r.generated:  # the prompt is in: its first token
                 self._emit(r, int(tokens[i]), produced)
         return produced
 
     def _decode_step(self) -> list[tuple[int, int]]:
-        ready = [r for r in self.running if r.generated and r.cached == len(r.tokens) - 1]
+        ready = [r for r in self.running if r.generated and r.cached == r.num_tokens - 1]
         for req in list(ready):
-            while not self._blocks_for(req, len(req.tokens)):
+            while not self._blocks_for(req, req.num_tokens):
                 victim = self.running[-1]
                 self._preempt(victim)
                 if victim in ready:
@@ -304,7 +313,7 @@ class Engine:
         ready = [r for r in ready if r.slot is not None]
         if not ready:
             return []
-        rows = [DecodeRow(r.slot, r.cached, (r.tokens[-1],), {"main": r.blocks}) for r in ready]
+        rows = [DecodeRow(r.slot, r.cached, (r.last_token,), {"main": r.blocks}) for r in ready]
         out = self.runner.step(rows)
         produced = []
         for req, sampled in zip(ready, out):

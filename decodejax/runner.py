@@ -266,6 +266,17 @@ class DecodeRunner:
         self.guard.arm({"pool": self.pool, "buffers": self.buffers})
         return dict(self.capture_seconds)
 
+    def compiled_memory(self) -> dict[int, dict[str, int]]:
+        """Per compiled bucket: bytes of the step's temporaries and of its donated (aliased) buffers.
+
+        Temporaries that grow with the pool would mean a step copies cache layers.
+        """
+        out = {}
+        for bs, executable in sorted(self._executables.items()):
+            stats = executable.memory_analysis()
+            out[bs] = {"temp_bytes": int(stats.temp_size_in_bytes), "alias_bytes": int(stats.alias_size_in_bytes)}
+        return out
+
     # -- per step ---------------------------------------------------------------------------
     def bucket_for(self, actual_bs: int) -> int:
         """The padded size a batch of actual_bs rows runs at."""
