@@ -20,6 +20,9 @@ Weight bytes read = every parameter except the embedding table, plus the `batch`
 rows gathered (a tied head reads the table as the head). K/V bytes read = batch x context x
 layers x H_kv x D x 2 x itemsize.
 
+`--profile-steps N` traces N more steps per shape with jax.profiler and records the GPU time
+per step by kernel name (benchmarks.profile_summary): what the step's time goes to.
+
 `--peer` runs Hugging Face transformers `generate` (static cache, torch.compile) on the same
 shapes in a second process (benchmarks.peers.hf_generate). `--startup` measures the capture
 time of a fresh process with an empty compilation cache (cold) and again with it filled (warm).
@@ -93,9 +96,9 @@ def seat_prefilled(engine, batch: int, context: int, max_new_tokens: int, rng) -
     return seated
 
 
-def measure(engine, batch: int, context: int, steps: int, warmup: int, rng) -> dict:
+def measure(engine, batch: int, context: int, steps: int, warmup: int, rng, profile_steps: int = 0) -> dict:
     free_before = engine.allocator.num_free
-    seated = seat_prefilled(engine, batch, context, warmup + steps + 2, rng)  # still running after the last step
+    seated = seat_prefilled(engine, batch, context, warmup + steps + profile_steps + 2, rng)  # running after the last step
     for _ in range(warmup):
         engine.step()
     times = []
@@ -105,13 +108,33 @@ def measure(engine, batch: int, context: int, steps: int, warmup: int, rng) -> d
         times.append((time.perf_counter() - t) * 1e3)
         if len(produced) != batch:
             raise RuntimeError(f"a step produced {len(produced)} tokens for a batch of {batch}")
+    profile = profile_engine_steps(engine, profile_steps) if profile_steps else None
     for req in seated:
         engine.abort(req.id)
     if engine.allocator.num_free != free_before:
         raise RuntimeError(f"free pages {engine.allocator.num_free} != {free_before} after the shape")
     median = float(np.median(times))
-    return {"batch": batch, "context": context, "step_ms_samples": times, "step_ms_median": median,
-            "step_ms_min": float(np.min(times)), "tokens_per_s": batch / (median / 1e3)}
+    row = {"batch": batch, "context": context, "step_ms_samples": times, "step_ms_median": median,
+           "step_ms_min": float(np.min(times)), "tokens_per_s": batch / (median / 1e3)}
+    if profile is not None:
+        row["profile"] = profile
+    return row
+
+
+def profile_engine_steps(engine, steps: int) -> dict:
+    """GPU time per step by kernel (benchmarks.profile_summary) over `steps` traced engine steps."""
+    import jax
+
+    from benchmarks.profile_summary import device_activity
+
+    trace_dir = tempfile.mkdtemp(prefix="decodejax_e2e_trace_")
+    t = time.perf_counter()
+    with jax.profiler.trace(trace_dir):
+        for _ in range(steps):
+            engine.step()
+    summary = device_activity(trace_dir, steps)
+    summary["wall_ms_per_step_traced"] = (time.perf_counter() - t) * 1e3 / steps
+    return summary
 
 
 def attach_peer_ratios(rows: list[dict], peer_rows: list[dict]) -> None:
@@ -167,20 +190,51 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--pool-tokens", type=int, default=None, help="pool capacity in tokens (default: the largest batch x context)")
+    parser.add_argument("--pool-tokens", type=int, default=None, help="pool capacity in tokens (default: the largest batch x context that fits)")
+    parser.add_argument("--profile-steps", type=int, default=0, help="also trace this many steps per shape and sum GPU time by kernel")
+    parser.add_argument("--startup", action="store_true", help="also measure the capture time of fresh processes, cold then warm")
+    parser.add_argument("--startup-only", action="store_true", help="measure only that")
     parser.add_argument("--peer", action="store_true", help="run benchmarks.peers.hf_generate in a second process")
     parser.add_argument("--peer-json", default=None, help="a finished benchmarks.peers.hf_generate result to compare with")
-    parser.add_argument("--startup", action="store_true")
+    parser.add_argument("--from-json", default=None, help="an earlier result of this script to add the peer to (no measuring)")
     parser.add_argument("--out", default="benchmarks/results/e2e_decode.json")
     args = parser.parse_args(argv)
+    batches = [int(b) for b in args.batch.split(",")]
+    if args.from_json:
+        with open(args.from_json) as f:
+            result = json.load(f)
+    elif args.startup_only:
+        result = {"model": args.model, "dtype": args.dtype}
+    else:
+        result = measure_all(args, batches, [int(c) for c in args.context.split(",")])
+    if args.startup or args.startup_only:
+        from models.llama import PRESETS
+
+        context, cache = min(2048, PRESETS[args.model].max_position_embeddings), tempfile.mkdtemp(prefix="decodejax_cc_")
+        result["startup"] = {"batches": batches, "max_context": context,
+                             "cold": startup(args.model, args.dtype, batches, context, cache),
+                             "warm": startup(args.model, args.dtype, batches, context, cache)}
+        print("startup", result["startup"], flush=True)
+    peer_json = args.peer_json
+    if args.peer:
+        peer_json = os.path.join(tempfile.mkdtemp(), "hf.json")
+        subprocess.run([sys.executable, "-m", "benchmarks.peers.hf_generate", "--model", args.model, "--batch", args.batch,
+                        "--context", args.context, "--steps", str(args.steps), "--out", peer_json], check=False, timeout=3000)
+    if peer_json and os.path.exists(peer_json):
+        with open(peer_json) as f:
+            result["peer_transformers"] = json.load(f)
+        attach_peer_ratios(result["rows"], result["peer_transformers"]["rows"])
+    write_json(result, args.out)
+
+
+def measure_all(args, batches: list[int], contexts: list[int]) -> dict:
+    """Every (batch, context) on one engine; the result is rewritten to args.out after each shape."""
     import jax
     import jax.numpy as jnp
 
     from models import llama
 
-    batches = [int(b) for b in args.batch.split(",")]
-    contexts = [int(c) for c in args.context.split(",")]
-    page, extra = 16, args.warmup + args.steps + 2
+    page, extra = 16, args.warmup + args.steps + args.profile_steps + 2
     t0 = time.perf_counter()
     model = llama.random(args.model, dtype=jnp.dtype(args.dtype))
     build_s = time.perf_counter() - t0
@@ -204,7 +258,7 @@ def main(argv=None):
                 rows.append({"batch": batch, "context": context, "skipped": f"{need} pages needed, the pool holds {engine.allocator.num_free}"})
                 print(f"B={batch:4d} T={context:5d}  skipped: {rows[-1]['skipped']}", flush=True)
                 continue
-            r = measure(engine, batch, context, args.steps, args.warmup, rng)
+            r = measure(engine, batch, context, args.steps, args.warmup, rng, args.profile_steps)
             wbytes, kvbytes = weight_bytes_read(model, batch), kv_bytes_read(model.config, batch, context, dbytes)
             roof_ms = (wbytes + kvbytes) / DATASHEET_BPS * 1e3
             r.update(weight_bytes_read=wbytes, kv_bytes_read=kvbytes, roofline_ms=roof_ms, roofline_fraction=roof_ms / r["step_ms_median"])
@@ -212,24 +266,7 @@ def main(argv=None):
             write_json(result, args.out)  # after every shape: a cut-off run keeps what it measured
             print(f"B={batch:4d} T={context:5d}  {r['step_ms_median']:8.2f} ms/step (min {r['step_ms_min']:.2f})  "
                   f"{r['tokens_per_s']:9.1f} tok/s  roofline {roof_ms:6.2f} ms ({r['roofline_fraction']:.0%})", flush=True)
-    startup_context = min(2048, model.config.max_position_embeddings)
-    del engine, model
-    if args.startup:
-        cache = tempfile.mkdtemp(prefix="decodejax_cc_")
-        result["startup"] = {"batches": batches, "max_context": startup_context,
-                             "cold": startup(args.model, args.dtype, batches, startup_context, cache),
-                             "warm": startup(args.model, args.dtype, batches, startup_context, cache)}
-        print("startup", result["startup"], flush=True)
-    peer_json = args.peer_json
-    if args.peer:
-        peer_json = os.path.join(tempfile.mkdtemp(), "hf.json")
-        subprocess.run([sys.executable, "-m", "benchmarks.peers.hf_generate", "--model", args.model, "--batch", args.batch,
-                        "--context", args.context, "--steps", str(args.steps), "--out", peer_json], check=False, timeout=3000)
-    if peer_json and os.path.exists(peer_json):
-        with open(peer_json) as f:
-            result["peer_transformers"] = json.load(f)
-        attach_peer_ratios(rows, result["peer_transformers"]["rows"])
-    write_json(result, args.out)
+    return result
 
 
 def write_json(result: dict, path: str) -> None:

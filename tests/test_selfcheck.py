@@ -25,8 +25,9 @@ def test_e2e_benchmark_runs_on_a_tiny_model(tmp_path):
     out = tmp_path / "e2e.json"
     env = dict(os.environ, PYTHONPATH=os.getcwd())
     run = subprocess.run([sys.executable, "-m", "benchmarks.e2e_decode", "--model", "tiny", "--batch", "1,3", "--context", "24",
-                          "--steps", "4", "--dtype", "float32", "--out", str(out)], capture_output=True, text=True, timeout=300, env=env)
+                          "--steps", "4", "--profile-steps", "1", "--dtype", "float32", "--out", str(out)], capture_output=True, text=True, timeout=300, env=env)
     assert run.returncode == 0, run.stderr[-2000:]
     rows = json.loads(out.read_text())["rows"]
     assert [(r["batch"], r["context"]) for r in rows] == [(1, 24), (3, 24)]
     assert all(len(r["step_ms_samples"]) == 4 and r["tokens_per_s"] > 0 and 0 < r["roofline_fraction"] for r in rows)
+    assert all(r["profile"]["steps"] == 1 and r["profile"]["wall_ms_per_step_traced"] > 0 for r in rows)

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# The GPU measurements behind benchmarks/results/, one stage per argument, from the repository
+# root on the H200 machine (no install: PYTHONPATH=.). Results land in $OUT (default ./out).
+#
+#   bash benchmarks/run_h200.sh evidence e2e peer      # stages run in the order given
+#
+# Stages and the result files they produce:
+#   evidence  python -m decodejax evidence (base decode call)       -> evidence_<digest>.json
+#   sweep     the >= 10,000-row GPU correctness sweep per dtype     -> gpu_sweep_<dtype>.json
+#   kernel    FlashInfer (own process), then decodejax and the JAX peers -> fi.json, decode_attention.json
+#   e2e       llama3-8b engine decode, with a GPU-time profile per shape -> e2e_decode.json
+#   peer      transformers generate on the e2e shapes (own process) -> hf.json
+#   startup   capture time of fresh processes, cold then warm cache -> e2e_startup.json
+# FlashInfer needs its wheels in .whl (../shared/tools/fetch_peer_wheels.sh); the device call
+# carries that folder. DECODEJAX_SOURCE_COMMIT names the commit sent (the copy's .git may lag).
+set -euo pipefail
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+E2E_POOL_TOKENS=${E2E_POOL_TOKENS:-270000}  # 35 GB of K/V for llama3-8b: fits beside the weights and compiles
+
+for stage in "$@"; do
+  echo "== $stage ($(date -u +%H:%M:%S))"
+  case "$stage" in
+    evidence)
+      python3 -m decodejax evidence --shape 8,8192,32,8,128,16 --out "$OUT" ;;
+    sweep)
+      python3 -m pytest -m gpu tests/test_decode_attention_gpu.py -k ten_thousand -q -p no:cacheprovider ;;
+    kernel)
+      if [ -d .whl ]; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+        PYTHONPATH=$PYTHONPATH:/tmp/site python3 -m benchmarks.peers.flashinfer_decode "$OUT/fi.json"
+      fi
+      peer=(); if [ -f "$OUT/fi.json" ]; then peer=(--flashinfer "$OUT/fi.json"); fi
+      XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m benchmarks.decode_attention --out "$OUT/decode_attention.json" "${peer[@]}" ;;
+    e2e)
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 python3 -m benchmarks.e2e_decode --pool-tokens "$E2E_POOL_TOKENS" \
+        --context 2048,512,8192 --profile-steps 3 --out "$OUT/e2e_decode.json" ;;
+    peer)
+      python3 -m benchmarks.peers.hf_generate --context 2048,512,8192 --steps 10 --deadline-s "${PEER_DEADLINE_S:-400}" \
+        --out "$OUT/hf.json"
+      if [ -f "$OUT/e2e_decode.json" ]; then  # the comparison, into the e2e result
+        python3 -m benchmarks.e2e_decode --from-json "$OUT/e2e_decode.json" --peer-json "$OUT/hf.json" --out "$OUT/e2e_decode.json"
+      fi ;;
+    startup)
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 python3 -m benchmarks.e2e_decode --startup-only --out "$OUT/e2e_startup.json" ;;
+    *)
+      echo "unknown stage $stage" >&2; exit 2 ;;
+  esac
+done

@@ -1,0 +1,25 @@
+"""benchmarks.profile_summary: GPU stream events summed by name, other planes and lines ignored."""
+
+from types import SimpleNamespace as NS
+
+import pytest
+
+from benchmarks.profile_summary import summarize_planes
+
+
+def _line(name, *events):
+    return NS(name=name, events=[NS(name=n, duration_ns=d) for n, d in events])
+
+
+def test_gpu_stream_events_are_summed_per_step_by_name():
+    planes = [
+        NS(name="/host:CPU", lines=[_line("python", ("decode_step", 10_000_000))]),
+        NS(name="/device:GPU:0", lines=[
+            _line("Stream #13(Compute)", ("decodejax_paged_decode", 3000), ("gemm", 5000), ("decodejax_paged_decode", 1000)),
+            _line("XLA Ops", ("fusion.1", 99_000)),  # an op-level view of the same time: not a stream line
+        ]),
+    ]
+    s = summarize_planes(planes, steps=2, top=1)
+    assert s["lines_read"] == ["/device:GPU:0 Stream #13(Compute)"]
+    assert s["device_us_per_step"] == pytest.approx(4.5) and s["launches_per_step"] == 1.5
+    assert s["top"] == [{"name": "gemm", "us_per_step": 2.5, "launches_per_step": 0.5, "share": pytest.approx(5 / 9)}]
