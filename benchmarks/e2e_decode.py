@@ -9,7 +9,7 @@ the device (`--pool-tokens`), its decode buckets are exactly the batches asked f
 prefilled: blocks from the engine's allocator, K/V pages holding random values (the pool is
 filled once), a first generated token. The decode kernel reads every visible key whatever its
 value, so the timed work is what it would be after a real prefill; the prefill itself is not
-timed or run (the engine's prefill attention costs O(prompt^2) reads; see the README). Then
+run, which keeps a sweep up to 64 x 8,192 prompt tokens short. Then
 `--steps` engine steps are timed one by one after `--warmup` steps; each step ends with the host
 copy of its tokens, so it is synchronized. The requests are aborted afterwards and the free
 page count is checked to return to its start.

@@ -1,4 +1,4 @@
-"""Public ops: `decode_attention`, `merge_states`, `gather_pages`.
+"""Public ops: `decode_attention`, `append_attention`, `merge_states`, `gather_pages`.
 
 Every op validates its arguments (ValueError naming the parameter and value) before any
 launch, builds its DispatchKey and runs the backend `decodejax.dispatch.select` chooses:
@@ -39,12 +39,12 @@ def _num_sms() -> int:
     return int(getattr(device, "core_count", 0) or H200_SMS) if device.platform == "gpu" else H200_SMS
 
 
-def _check_table_values(page_table, seq_lens, cache_batch_idx, *, page_size, num_pages, row_elements) -> None:
+def _check_table_values(page_table, seq_lens, cache_batch_idx, *, page_size, num_pages, row_elements, lens_name="seq_lens") -> None:
     """Page-table values against the pool; only outside jit (inside, the caller's runtime validated them)."""
     if _is_concrete(page_table, seq_lens, cache_batch_idx):
         addressing.validate_page_table(
             np.asarray(page_table), np.asarray(seq_lens), page_size=page_size, num_pages=num_pages, row_elements=row_elements,
-            cache_batch_idx=None if cache_batch_idx is None else np.asarray(cache_batch_idx),
+            cache_batch_idx=None if cache_batch_idx is None else np.asarray(cache_batch_idx), lens_name=lens_name,
         )
 
 
@@ -61,6 +61,14 @@ def _operation_key(operation, dtype, *, kv_len, heads, head_dim, layout, page_si
 def _validate_decode_args(q, k_pages, v_pages, page_table, seq_lens, cache_batch_idx, layout):
     if q.ndim != 3:
         raise ValueError(f"q must be [B, H_q, D]; got shape {q.shape}")
+    B = q.shape[0]
+    if seq_lens.shape != (B,) or not jnp.issubdtype(seq_lens.dtype, jnp.integer):
+        raise ValueError(f"seq_lens must be an integer [B={B}] array; got {seq_lens.dtype}{list(seq_lens.shape)}")
+    _validate_paged_args(q, k_pages, v_pages, page_table, seq_lens, cache_batch_idx, layout)
+
+
+def _validate_paged_args(q, k_pages, v_pages, page_table, seq_lens, cache_batch_idx, layout, lens_name="seq_lens"):
+    """q against the pool, and the page table's rows [0, len(seq_lens)) against seq_lens and the pool."""
     if k_pages.ndim != 4:
         raise ValueError(f"k_pages must be rank 4 ({layout.name}); got shape {k_pages.shape}")
     if v_pages.shape != k_pages.shape:
@@ -68,8 +76,6 @@ def _validate_decode_args(q, k_pages, v_pages, page_table, seq_lens, cache_batch
     if page_table.ndim != 2 or not jnp.issubdtype(page_table.dtype, jnp.integer):
         raise ValueError(f"page_table must be an integer [B_c, W] array; got {page_table.dtype}{list(page_table.shape)}")
     B, H_q, D = q.shape
-    if seq_lens.shape != (B,) or not jnp.issubdtype(seq_lens.dtype, jnp.integer):
-        raise ValueError(f"seq_lens must be an integer [B={B}] array; got {seq_lens.dtype}{list(seq_lens.shape)}")
     num_pages, P, H_kv, D_k = addressing.pool_geometry(k_pages, layout)
     if D_k != D:
         raise ValueError(f"head_dim of q ({D}) differs from k_pages ({D_k})")
@@ -80,11 +86,12 @@ def _validate_decode_args(q, k_pages, v_pages, page_table, seq_lens, cache_batch
             raise ValueError(f"{name}.dtype={x.dtype} is not one of bfloat16, float16, float32")
     if not (q.dtype == k_pages.dtype == v_pages.dtype):
         raise ValueError(f"dtype mismatch: q {q.dtype}, k_pages {k_pages.dtype}, v_pages {v_pages.dtype}")
-    if cache_batch_idx is not None and cache_batch_idx.shape != (B,):
+    if cache_batch_idx is not None and cache_batch_idx.shape != (seq_lens.shape[0],):
         raise ValueError(f"cache_batch_idx must be [B={B}]; got shape {cache_batch_idx.shape}")
     if num_pages * P * H_kv * D > addressing.INT32_MAX:
         raise ValueError(f"k_pages of {num_pages * P * H_kv * D} elements overflows int32 offsets")
-    _check_table_values(page_table, seq_lens, cache_batch_idx, page_size=P, num_pages=num_pages, row_elements=H_kv * D)
+    _check_table_values(page_table, seq_lens, cache_batch_idx, page_size=P, num_pages=num_pages, row_elements=H_kv * D,
+                        lens_name=lens_name)
 
 
 def decode_plan(
@@ -214,6 +221,83 @@ def _attention_pallas(q, k_pages, v_pages, page_table, seq_lens, *, layout, cach
     return out if len(out) > 1 else out[0]
 
 
+def append_attention(
+    q: jax.Array,  # [N, H_q, D] new tokens, packed request-major
+    k_pages: jax.Array,  # PAGED_NHD [num_pages, P, H_kv, D] (default) or PAGED_HND [num_pages, H_kv, P, D]
+    v_pages: jax.Array,
+    page_table: jax.Array,  # i32[C, W]
+    qo_indptr: jax.Array,  # i32[C + 1]
+    kv_lens: jax.Array,  # i32[C]
+    *,
+    layout: KVLayout = KVLayout.PAGED_NHD,
+    sm_scale: float | None = None,
+    soft_cap: float | None = None,
+    window_left: int | None = None,
+    sinks: int = 0,
+    return_lse: bool = False,
+    config=None,
+    backend: str = "auto",
+):
+    """Paged attention of new tokens after cached ones (chunked prefill, append).
+
+    Request c's new tokens are rows [qo_indptr[c], qo_indptr[c + 1]) of q; they are the last of
+    its kv_lens[c] keys, whose K/V (new ones included) are in the pool: row i of request c sits
+    at position kv_lens[c] - len_c + i and sees keys up to it (bottom-right causal, plus the
+    window and sinks of `decode_attention`). Rows at or past qo_indptr[C] are padding:
+    o = 0, lse = -inf. Key t of request c lives at page page_table[c, t // P], row t % P.
+
+    Returns o [N, H_q, D] in q.dtype, or (o, lse f32[N, H_q]) with return_lse.
+    """
+    if q.ndim != 3:
+        raise ValueError(f"q must be [N, H_q, D]; got shape {q.shape}")
+    C = kv_lens.shape[0] if kv_lens.ndim == 1 else -1
+    if kv_lens.ndim != 1 or qo_indptr.shape != (C + 1,):
+        raise ValueError(f"kv_lens must be [C] and qo_indptr [C + 1]; got {kv_lens.shape} and {qo_indptr.shape}")
+    if page_table.ndim != 2 or page_table.shape[0] != C:
+        raise ValueError(f"page_table must be [C={C}, W]; got shape {page_table.shape}")
+    for name, x in (("qo_indptr", qo_indptr), ("kv_lens", kv_lens)):
+        if not jnp.issubdtype(x.dtype, jnp.integer):
+            raise ValueError(f"{name} must be integer; got {x.dtype}")
+    if _is_concrete(qo_indptr, kv_lens):
+        indptr, lens = np.asarray(qo_indptr), np.asarray(kv_lens)
+        new = np.diff(indptr)
+        if indptr[0] != 0 or np.any(new < 0) or indptr[-1] > q.shape[0]:
+            raise ValueError(f"qo_indptr={indptr.tolist()} must start at 0, not decrease and end at most at N={q.shape[0]}")
+        if np.any(lens < new):
+            raise ValueError(f"kv_lens={lens.tolist()} is smaller than the new tokens {new.tolist()} of a request")
+    _validate_paged_args(q, k_pages, v_pages, page_table, kv_lens, None, layout, lens_name="kv_lens")
+    D = q.shape[-1]
+    key = dispatch.DispatchKey.from_call(q, k_pages, layout=layout, page_table=page_table, phase="append", q_len=q.shape[0],
+                                         soft_cap=soft_cap, window_left=window_left, sinks=sinks, backend=backend)
+    o, lse = dispatch.backend(dispatch.select(key).backend).run(
+        "append_attention", q, k_pages, v_pages, page_table.astype(jnp.int32), qo_indptr.astype(jnp.int32),
+        kv_lens.astype(jnp.int32), layout=layout, sm_scale=float(D**-0.5 if sm_scale is None else sm_scale),
+        soft_cap=soft_cap, mask=DecodeMask(window_left, sinks), config=config,
+    )
+    return (o, lse) if return_lse else o
+
+
+def _append_xla(q, k_pages, v_pages, page_table, qo_indptr, kv_lens, *, layout, sm_scale, soft_cap, mask, config):
+    """Each new token as a decode row of its request: its position + 1 keys through the reference."""
+    del config
+    N, C = q.shape[0], kv_lens.shape[0]
+    n = jnp.arange(N, dtype=jnp.int32)
+    live = n < qo_indptr[-1]
+    req = jnp.clip(jnp.searchsorted(qo_indptr, n, side="right").astype(jnp.int32) - 1, 0, C - 1)
+    position = kv_lens[req] - (qo_indptr[req + 1] - qo_indptr[req]) + (n - qo_indptr[req])
+    o, lse = reference.paged_decode(q, k_pages, v_pages, page_table, jnp.where(live, position + 1, 0), layout=layout,
+                                    cache_batch_idx=req, sm_scale=sm_scale, soft_cap=soft_cap, mask=mask)
+    return o.astype(q.dtype), lse
+
+
+def _append_pallas(q, k_pages, v_pages, page_table, qo_indptr, kv_lens, *, layout, sm_scale, soft_cap, mask, config, interpret):
+    from pallas_kernels import append_attention as kernel
+
+    return kernel.paged_append(q, k_pages, v_pages, page_table, qo_indptr, kv_lens, layout=layout, sm_scale=sm_scale,
+                               soft_cap=None if soft_cap is None else float(soft_cap), mask=mask,
+                               config=kernel.AppendConfig() if config is None else config, interpret=interpret)
+
+
 def merge_states(o: jax.Array, lse: jax.Array, *, backend: str = "auto") -> tuple[jax.Array, jax.Array]:
     """Merges S partial states per row, EMPTY-aware (lse = -inf is EMPTY).
 
@@ -282,14 +366,17 @@ def _gather_pallas(pages, page_table, seq_lens, *, layout, cache_batch_idx, max_
 
 # Each backend's implementation of each operation (`dispatch.Backend.run` looks them up here).
 IMPLEMENTATIONS = {
-    "xla": {"attention": _attention_xla, "merge_states": _merge_xla, "gather_pages": reference.gather_pages},
+    "xla": {"attention": _attention_xla, "append_attention": _append_xla, "merge_states": _merge_xla,
+            "gather_pages": reference.gather_pages},
     "pallas_triton": {
         "attention": functools.partial(_attention_pallas, interpret=False),
+        "append_attention": functools.partial(_append_pallas, interpret=False),
         "merge_states": functools.partial(_merge_pallas, interpret=False),
         "gather_pages": functools.partial(_gather_pallas, interpret=False),
     },
     "pallas_triton_interpret": {
         "attention": functools.partial(_attention_pallas, interpret=True),
+        "append_attention": functools.partial(_append_pallas, interpret=True),
         "merge_states": functools.partial(_merge_pallas, interpret=True),
         "gather_pages": functools.partial(_gather_pallas, interpret=True),
     },

@@ -196,8 +196,11 @@ def validate_page_table(
     num_pages: int,
     row_elements: int,
     cache_batch_idx=None,  # i32[B]
+    lens_name: str = "seq_lens",
 ) -> None:
     """Raises AddressingError unless every visible block maps to a live page in the pool.
+
+    `lens_name` is the caller's name for seq_lens, used in the messages.
 
     Checks, for each active row: seq_len fits the table width times page_size; every visible
     block's page is in [1, num_pages) (page 0 is the null page); and the pool's element
@@ -220,7 +223,7 @@ def validate_page_table(
     for b, (c, n) in enumerate(zip(rows, lens)):
         if n < 0 or n > width * page_size:
             raise AddressingError(
-                f"seq_lens[{b}]={int(n)} exceeds the page table width {width} x page_size {page_size}"
+                f"{lens_name}[{b}]={int(n)} is outside [0, page table width {width} x page_size {page_size}]"
             )
         blocks = table[c, : -(-int(n) // page_size)]
         bad = blocks[(blocks < 0) | (blocks >= num_pages)]

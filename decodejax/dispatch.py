@@ -117,9 +117,11 @@ class DispatchKey:
 
     @staticmethod
     def from_call(q, k_pages, *, layout: KVLayout, page_table=None, operation: str = "attention", phase: str = "decode",
-                  soft_cap=None, window_left=None, sinks: int = 0, deterministic: bool = False, bucket_mode: bool | None = None,
-                  mask_kind: str = "causal", backend: str = "auto", environment=None) -> "DispatchKey":
-        """The key of a paged decode call: q [B, H_q, D], k_pages in `layout`, page_table [B_c, W].
+                  q_len: int = 1, soft_cap=None, window_left=None, sinks: int = 0, deterministic: bool = False,
+                  bucket_mode: bool | None = None, mask_kind: str = "causal", backend: str = "auto", environment=None) -> "DispatchKey":
+        """The key of a paged attention call: q [B, H_q, D], k_pages in `layout`, page_table [B_c, W].
+
+        q_len: query rows per request (1 for decode; the packed new tokens for append).
 
         bucket_mode defaults to whether the runtime is capturing a bucket (`capturing()`).
         """
@@ -130,7 +132,7 @@ class DispatchKey:
         width = page_table.shape[1] if page_table is not None else 1
         return DispatchKey(
             device_type=device_type, compute_capability=cc, operation=operation, phase=phase,
-            q_dtype=str(jnp.dtype(q.dtype)), kv_dtype=str(jnp.dtype(k_pages.dtype)), q_len=1, kv_len=width * P,
+            q_dtype=str(jnp.dtype(q.dtype)), kv_dtype=str(jnp.dtype(k_pages.dtype)), q_len=q_len, kv_len=width * P,
             num_q_heads=q.shape[1], num_kv_heads=H_kv, head_dim_qk=q.shape[-1], head_dim_v=D,
             cache_layout=layout.value, page_size=P, mask_kind=mask_kind,
             soft_cap=None if soft_cap is None else float(soft_cap), window_left=window_left, sinks=sinks,
@@ -173,7 +175,7 @@ def _pallas_decode_reasons(key: DispatchKey, *, need_gpu: bool) -> list[str]:
     if key.operation == "merge_states" and key.head_dim_v & (key.head_dim_v - 1):
         r.append(f"head_dim_vo={key.head_dim_v} is not a power of two")
     if key.operation == "attention":
-        if key.q_len != 1:
+        if key.phase == "decode" and key.q_len != 1:
             r.append(f"q_len={key.q_len}: one query row per request only")
         if key.cache_layout not in (KVLayout.PAGED_NHD.value, KVLayout.PAGED_HND.value):
             r.append(f"cache_layout={key.cache_layout}: paged dense-table layouts only")
@@ -223,11 +225,11 @@ def _cudnn_reasons(key: DispatchKey) -> list[str]:
 
 
 REGISTRY: tuple[Backend, ...] = (
-    Backend("pallas_triton", frozenset({"gpu"}), frozenset({"decode"}), frozenset(OPERATIONS), 100,
+    Backend("pallas_triton", frozenset({"gpu"}), frozenset({"decode", "append"}), frozenset(OPERATIONS), 100,
             lambda k: _pallas_decode_reasons(k, need_gpu=True), package="jax.experimental.pallas.triton"),
     Backend("cudnn", frozenset({"gpu"}), frozenset({"decode", "prefill"}), frozenset({"attention"}), 60, _cudnn_reasons),
     Backend("xla", frozenset({"gpu", "cpu"}), frozenset(PHASES), frozenset(OPERATIONS), 50, _xla_reasons),
-    Backend("pallas_triton_interpret", frozenset({"gpu", "cpu"}), frozenset({"decode"}), frozenset(OPERATIONS), 10,
+    Backend("pallas_triton_interpret", frozenset({"gpu", "cpu"}), frozenset({"decode", "append"}), frozenset(OPERATIONS), 10,
             lambda k: _pallas_decode_reasons(k, need_gpu=False), package="jax.experimental.pallas.triton"),
 )
 

@@ -284,7 +284,7 @@ class Engine:
             slots=tuple(r.slot for r, _ in chunks), token_ids=tuple(t for r, n in chunks for t in r.tokens[r.cached : r.cached + n]),
             block_tables={"main": [r.blocks for r, _ in chunks]},
         )
-        ctx = build_extend_metadata(self.router, self.layer_leaves, inputs=inputs, pad_to=bucket)
+        ctx = build_extend_metadata(self.router, self.layer_leaves, inputs=inputs, pad_to=bucket, pad_requests_to=self.config.max_batch)
         # Per chunk (padded to max_batch): its last row, that row's position and the request slot.
         B = self.config.max_batch
         last_rows, positions, slots = np.zeros(B, np.int32), np.zeros((B, 1), np.int32), np.zeros(B, np.int32)

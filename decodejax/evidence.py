@@ -43,6 +43,7 @@ SOURCE_CHAIN = (
     ("decodejax/dispatch.py", "def select("),
     ("pallas_kernels/decode_attention.py", "def paged_decode_partials("),
     ("pallas_kernels/decode_attention.py", 'name="decodejax_paged_decode"'),
+    ("pallas_kernels/paged_blocks.py", "def online_softmax_step("),
 )
 TOLERANCES = {"bfloat16": {"o_abs": 2e-2, "o_rel": 2e-2, "lse_abs": 3e-3}, "float16": {"o_abs": 1e-3, "o_rel": 1e-3, "lse_abs": 3e-3},
               "float32": {"o_abs": 1e-5, "o_rel": 1e-5, "lse_abs": 1e-5}}

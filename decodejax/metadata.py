@@ -184,7 +184,7 @@ def refresh_decode_metadata_jit(buffers, packed, *, bs, router):
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=("window_ids", "positions", "slots", "seq_lens", "page_tables", "write_slots"),
+    data_fields=("window_ids", "positions", "slots", "seq_lens", "page_tables", "write_slots", "extend"),
     meta_fields=("layer_leaves", "mode"),
 )
 @dataclasses.dataclass(frozen=True)
@@ -202,6 +202,7 @@ class ForwardContext:
     write_slots: dict  # {leaf: i32[rows * N]}
     layer_leaves: tuple[str, ...]  # leaf of each layer
     mode: str  # "decode" or "extend"
+    extend: "ExtendChunks | None" = None  # the requests of an extend forward (None in decode)
 
     @staticmethod
     def for_decode(buffers: DecodeBuffers, bs: int, layer_leaves: tuple[str, ...]) -> "ForwardContext":
@@ -233,6 +234,29 @@ class ForwardContext:
         row_lens = jnp.where(self.seq_lens[:, None] > 0, self.positions + 1, 0)  # [rows, N]
         return jnp.repeat(table, N, axis=0), row_lens.reshape(-1)
 
+    def append_rows(self, layer: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """An extend forward's requests for `decodejax.append_attention`: (page_table i32[C, W],
+        qo_indptr i32[C + 1], kv_lens i32[C]); the rows are the forward's packed new tokens."""
+        if self.extend is None:
+            raise ValueError(f"append_rows(layer={layer}) asked of a {self.mode!r} forward")
+        return self.extend.page_tables[self.layer_leaves[layer]], self.extend.qo_indptr, self.extend.kv_lens
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("qo_indptr", "kv_lens", "page_tables"), meta_fields=())
+@dataclasses.dataclass(frozen=True)
+class ExtendChunks:
+    """The requests of an extend forward, padded to a fixed count (padding: no new tokens, no keys).
+
+    Attributes:
+      qo_indptr: i32[C + 1], request c's new tokens are rows [qo_indptr[c], qo_indptr[c + 1]).
+      kv_lens: i32[C], its keys after this forward (cached prefix + new tokens).
+      page_tables: {leaf: i32[C, W_leaf]} kernel page tables per request.
+    """
+
+    qo_indptr: jax.Array
+    kv_lens: jax.Array
+    page_tables: dict
+
 
 @dataclasses.dataclass(frozen=True)
 class ExtendInputs:
@@ -253,14 +277,16 @@ class ExtendInputs:
     block_tables: dict
 
 
-def build_extend_metadata(router: CacheGroupRouter, layer_leaves: tuple[str, ...], *, inputs: ExtendInputs, pad_to: int | None = None) -> ForwardContext:
+def build_extend_metadata(router: CacheGroupRouter, layer_leaves: tuple[str, ...], *, inputs: ExtendInputs, pad_to: int | None = None,
+                          pad_requests_to: int | None = None) -> ForwardContext:
     """Extend metadata with dynamic shapes per forward: one context row per new token.
 
     The new tokens are packed request-major (qo_indptr order); token i of request b sits at
     position T_b + i, is written to its slot and sees [0, T_b + i + 1). A pure decode batch
     (every request one new token after a cached prefix) is refused: it belongs to the
     bucketed decode path. `pad_to` appends padding rows (token 0, page 0, seq_len 0, write
-    slots inside page 0) up to a bucketed token count.
+    slots inside page 0) up to a bucketed token count; `pad_requests_to` pads the request view
+    (`ForwardContext.append_rows`) with requests of no tokens, for a fixed compiled shape.
     """
     C = np.asarray(inputs.extend_lens, np.int64)
     T = np.asarray(inputs.prefix_lens, np.int64)
@@ -277,15 +303,19 @@ def build_extend_metadata(router: CacheGroupRouter, layer_leaves: tuple[str, ...
     pad_to = total if pad_to is None else pad_to
     if pad_to < total:
         raise ValueError(f"pad_to={pad_to} is smaller than the {total} new tokens")
+    num_requests = len(C) if pad_requests_to is None else pad_requests_to
+    if num_requests < len(C):
+        raise ValueError(f"pad_requests_to={pad_requests_to} is smaller than the {len(C)} requests")
     req = np.concatenate([np.repeat(np.arange(len(C)), C), np.zeros(pad_to - total, np.int64)])
     pos = (T[req] + np.arange(pad_to) - np.concatenate([np.repeat(np.concatenate([[0], np.cumsum(C)[:-1]]), C), np.arange(total, pad_to)])).astype(np.int32)
     live_np = np.arange(pad_to) < total
     pos = np.where(live_np, pos, np.arange(pad_to) - total).astype(np.int32)  # padding: positions 0.. inside page 0
     live = jnp.asarray(live_np)
-    page_tables, write_slots = {}, {}
+    page_tables, write_slots, request_tables = {}, {}, {}
+    live_requests = jnp.arange(num_requests) < len(C)
     for lf in router.leaves:
         g = router.group(lf.group)
-        blocks = np.zeros((len(C), g.max_blocks), np.int32)
+        blocks = np.zeros((num_requests, g.max_blocks), np.int32)
         for b, row in enumerate(inputs.block_tables[lf.group]):
             if len(row) * g.block_granularity < T[b] + C[b]:
                 raise ValueError(f"request {b}: group {g.name!r} blocks {list(row)} do not cover [0, {T[b] + C[b]})")
@@ -293,6 +323,11 @@ def build_extend_metadata(router: CacheGroupRouter, layer_leaves: tuple[str, ...
         table = router.kernel_table(lf.name, jnp.asarray(blocks[req]), live)
         page_tables[lf.name] = table
         write_slots[lf.name] = router.write_slots(lf.name, table, jnp.asarray(pos)[:, None]).reshape(-1)
+        request_tables[lf.name] = router.kernel_table(lf.name, jnp.asarray(blocks), live_requests)
+    qo_indptr = np.full(num_requests + 1, total, np.int32)
+    qo_indptr[: len(C) + 1] = np.concatenate([[0], np.cumsum(C)])
+    kv_lens = np.zeros(num_requests, np.int32)
+    kv_lens[: len(C)] = T + C
     tokens = np.zeros(pad_to, np.int32)
     tokens[:total] = inputs.token_ids
     return ForwardContext(
@@ -304,4 +339,5 @@ def build_extend_metadata(router: CacheGroupRouter, layer_leaves: tuple[str, ...
         write_slots=write_slots,
         layer_leaves=layer_leaves,
         mode="extend",
+        extend=ExtendChunks(qo_indptr=jnp.asarray(qo_indptr), kv_lens=jnp.asarray(kv_lens), page_tables=request_tables),
     )

@@ -160,10 +160,14 @@ class Attention(nnx.Module):
         q, k = apply_rope(q, ctx.positions, inv_freq), apply_rope(k, ctx.positions, inv_freq)
         flat = lambda t: t.reshape(rows * N, *t.shape[2:])  # noqa: E731
         pool = pool.write(self.layer, ctx.write_locations(self.layer, ctx.mode), flat(k), flat(v))
-        table, lens = ctx.attention_rows(self.layer)
         window = None if c.sliding_window is None else c.sliding_window - 1
-        o = decodejax.decode_attention(flat(q).astype(pool.dtype), pool.k[self.layer], pool.v[self.layer], table, lens,
-                                       window_left=window)
+        k_pages, v_pages = pool.k[self.layer], pool.v[self.layer]
+        if ctx.extend is not None:  # prefill / chunked prefill: tiles of new tokens share each K/V load
+            table, qo_indptr, kv_lens = ctx.append_rows(self.layer)
+            o = decodejax.append_attention(flat(q).astype(pool.dtype), k_pages, v_pages, table, qo_indptr, kv_lens, window_left=window)
+        else:
+            table, lens = ctx.attention_rows(self.layer)
+            o = decodejax.decode_attention(flat(q).astype(pool.dtype), k_pages, v_pages, table, lens, window_left=window)
         return o.reshape(rows, N, c.num_heads * c.head_dim).astype(x.dtype) @ self.wo[...], pool
 
 

@@ -26,9 +26,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from decodejax.addressing import KVLayout, pool_geometry, pool_row
+from decodejax.addressing import KVLayout, pool_geometry
 from decodejax.masks import DecodeMask, visible
-from decodejax.split_state import LOG2_E
+from pallas_kernels.paged_blocks import finish, initial_carry, load_kv_block, online_softmax_step
 
 MIN_DOT_ROWS = 16  # Triton dots need >= 16 rows: the G query rows are padded to this.
 
@@ -80,7 +80,6 @@ def _decode_kernel(
 ):
     b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     d = q_ref.shape[-1]
-    width = table_ref.shape[-1]
     seq_len = seq_lens_ref[b]
     c = cache_idx_ref[b]
     start, end = start_ref[b, s], end_ref[b, s]
@@ -94,38 +93,15 @@ def _decode_kernel(
     q = plgpu.load(q_ref.at[b, q_rows, lanes], mask=g_live[:, None], other=0.0)  # [16, D]
 
     def body(i, carry):
-        m, l, acc = carry  # [16] base-2 max, [16] sum, [16, D]
         t = (start // block_k + i) * block_k + jnp.arange(block_k)
         live = (t >= start) & (t < end) & visible(q_pos, t, seq_len, mask)
-        block = jnp.minimum(t // page_size, width - 1)
-        page = plgpu.load(table_ref.at[c, block], mask=live, other=0)
-        r = t % page_size
-        row = pool_row(page, r, h, page_size=page_size, num_kv_heads=num_kv_heads, layout=layout)
-        k = plgpu.load(k_ref.at[row[:, None], lanes], mask=live[:, None], other=0.0)  # [block_k, D]
-        v = plgpu.load(v_ref.at[row[:, None], lanes], mask=live[:, None], other=0.0)
-        scores = plgpu.dot(q, k, trans_b=True) * sm_scale  # [16, block_k] f32
-        if soft_cap is not None:
-            scores = soft_cap * jnp.tanh(scores / soft_cap)
-        scores = jnp.where(live[None, :], scores * LOG2_E, -jnp.inf)
-        m_new = jnp.maximum(m, jnp.max(scores, axis=1))
-        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # EMPTY so far: no -inf - -inf
-        p = jnp.exp2(scores - m_safe[:, None])
-        scale = jnp.exp2(m - m_safe)
-        acc = acc * scale[:, None] + plgpu.dot(p.astype(v.dtype), v)
-        return m_new, l * scale + jnp.sum(p, axis=1), acc
+        k, v = load_kv_block(k_ref, v_ref, table_ref, c, t, live, h, lanes, page_size=page_size, num_kv_heads=num_kv_heads,
+                             layout=layout)
+        return online_softmax_step(carry, q, k, v, live[None, :], sm_scale=sm_scale, soft_cap=soft_cap)
 
-    init = (
-        jnp.full((MIN_DOT_ROWS,), -jnp.inf, jnp.float32),
-        jnp.zeros((MIN_DOT_ROWS,), jnp.float32),
-        jnp.zeros((MIN_DOT_ROWS, d), jnp.float32),
-    )
     steps = pl.cdiv(end - (start // block_k) * block_k, block_k)
     steps = jnp.where(end > start, steps, 0)
-    m, l, acc = jax.lax.fori_loop(0, steps, body, init)
-    valid = l > 0
-    safe_l = jnp.where(valid, l, 1.0)
-    o = jnp.where(valid[:, None], acc / safe_l[:, None], 0.0)
-    lse = jnp.where(valid, (m + jnp.log2(safe_l)) / LOG2_E, -jnp.inf)
+    o, lse = finish(*jax.lax.fori_loop(0, steps, body, initial_carry(MIN_DOT_ROWS, d)))
     # Padded rows have their own (never read) slots, so no two lanes of a store alias.
     plgpu.store(o_ref.at[b, h, g[:, None], s, lanes], o, mask=g_live[:, None])
     plgpu.store(lse_ref.at[b, h, g, s], lse, mask=g_live)

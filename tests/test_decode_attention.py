@@ -161,7 +161,7 @@ BAD_INPUTS = [
     ("q must be", dict(q=(2, 8))),
     ("k_pages must be rank 4", dict(k=(9, 16, 64))),
     ("page id 9 of row b=0 is outside the pool of 9 pages", dict(table=[[9, 0, 0], [1, 0, 0]])),
-    (r"seq_lens\[1\]=49 exceeds the page table width 3", dict(lens=[3, 49])),
+    (r"seq_lens\[1\]=49 is outside \[0, page table width 3", dict(lens=[3, 49])),
     ("backend='cuda' is not one of", dict(backend="cuda")),
 ]
 

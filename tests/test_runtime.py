@@ -250,6 +250,20 @@ def test_extend_metadata_is_request_major_and_refuses_pure_decode():
         build_extend_metadata(ROUTER, CFG.layer_leaves, inputs)  # the bundle is keyword-only
 
 
+def test_extend_metadata_request_view_for_append_attention():
+    inputs = ExtendInputs(extend_lens=(3, 2), prefix_lens=(0, 17), slots=(4, 9), token_ids=(1, 2, 3, 4, 5), block_tables={"main": [[2], [5, 6]]})
+    ctx = build_extend_metadata(ROUTER, CFG.layer_leaves, inputs=inputs, pad_to=8, pad_requests_to=4)
+    table, qo_indptr, kv_lens = ctx.append_rows(0)
+    assert np.asarray(qo_indptr).tolist() == [0, 3, 5, 5, 5] and np.asarray(kv_lens).tolist() == [3, 19, 0, 0]
+    # Kernel pages of P = 8 from blocks of G = 16: block g -> pages 2g, 2g + 1; padding requests see the null page.
+    assert np.asarray(table)[:, :4].tolist() == [[4, 5, 0, 0], [10, 11, 12, 13], [0, 0, 0, 0], [0, 0, 0, 0]]
+    with pytest.raises(ValueError, match="pad_requests_to=1"):
+        build_extend_metadata(ROUTER, CFG.layer_leaves, inputs=inputs, pad_requests_to=1)
+    decode_ctx = ForwardContext.for_decode(DecodeBuffers.create(ROUTER, 4, 1), 2, CFG.layer_leaves)
+    with pytest.raises(ValueError, match="append_rows"):
+        decode_ctx.append_rows(0)
+
+
 # -- the runner ------------------------------------------------------------------------------
 
 def test_R2_above_ladder_decode_matches_eager(caplog):
