@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -107,7 +108,7 @@ def pack_decode_batch(rows: list[DecodeRow], *, bs: int, router: CacheGroupRoute
         raise ValueError(f"duplicate request slots in batch: {sorted(slots)}")
     packed = np.zeros((1 + bs, packed_width(router, window)), np.int32)
     packed[0, 0] = len(rows)
-    out = packed[1:]
+    out = packed[1 : 1 + len(rows)]
     for i, r in enumerate(rows):
         router.check_groups(r.block_tables)
         if len(r.window_ids) != window:
@@ -117,21 +118,29 @@ def pack_decode_batch(rows: list[DecodeRow], *, bs: int, router: CacheGroupRoute
         bad = [t for t in r.window_ids if not 0 <= t < vocab_size]
         if bad:
             raise ValueError(f"row {i} (slot {r.slot}): token ids {bad} outside the vocabulary of {vocab_size}")
-        out[i, 0], out[i, 1] = r.slot, r.committed_len
-        out[i, 2 : 2 + window] = r.window_ids
-        col = _FIXED_COLUMNS + window
-        end_pos = r.committed_len + window
-        for g in router.groups:
-            blocks = np.asarray(r.block_tables.get(g.name, []), np.int32)
-            needed = -(-end_pos // g.block_granularity)
-            if needed > g.max_blocks:
-                raise ValueError(f"row {i} (slot {r.slot}): position {end_pos - 1} exceeds group {g.name!r} capacity "
-                                 f"{g.max_blocks} blocks x {g.block_granularity}")
-            if g.name in r.block_tables and (len(blocks) < needed or np.any(blocks[:needed] <= 0)):
-                raise ValueError(f"row {i} (slot {r.slot}): group {g.name!r} blocks {blocks.tolist()} do not cover "
-                                 f"positions [0, {end_pos}) with live blocks")
-            out[i, col : col + len(blocks)] = blocks
-            col += g.max_blocks
+    out[:, 0], out[:, 1] = slots, [r.committed_len for r in rows]
+    out[:, 2 : 2 + window] = [r.window_ids for r in rows]
+    end_pos = out[:, 1].astype(np.int64) + window
+    col = _FIXED_COLUMNS + window
+    for g in router.groups:  # every row's blocks at once: the host cost of a step at large batch
+        lists = [r.block_tables.get(g.name, ()) for r in rows]
+        lens = np.fromiter(map(len, lists), np.int64, len(rows))
+        needed = -(-end_pos // g.block_granularity)
+        for i in np.flatnonzero(needed > g.max_blocks)[:1]:
+            raise ValueError(f"row {i} (slot {rows[i].slot}): position {end_pos[i] - 1} exceeds group {g.name!r} capacity "
+                             f"{g.max_blocks} blocks x {g.block_granularity}")
+        for i in np.flatnonzero(lens > g.max_blocks)[:1]:
+            raise ValueError(f"row {i} (slot {rows[i].slot}): {lens[i]} blocks for group {g.name!r}, whose tables hold {g.max_blocks}")
+        blocks = np.zeros((len(rows), g.max_blocks), np.int32)
+        blocks[np.repeat(np.arange(len(rows)), lens), np.arange(lens.sum()) - np.repeat(np.cumsum(lens) - lens, lens)] = (
+            np.fromiter(itertools.chain.from_iterable(lists), np.int32, int(lens.sum())))
+        present = np.array([g.name in r.block_tables for r in rows], bool)
+        dead = ((blocks <= 0) & (np.arange(g.max_blocks)[None, :] < needed[:, None])).any(axis=1)
+        for i in np.flatnonzero(present & ((lens < needed) | dead))[:1]:
+            raise ValueError(f"row {i} (slot {rows[i].slot}): group {g.name!r} blocks {list(lists[i])} do not cover "
+                             f"positions [0, {end_pos[i]}) with live blocks")
+        out[:, col : col + g.max_blocks] = blocks
+        col += g.max_blocks
     return packed
 
 
