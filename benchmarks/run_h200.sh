@@ -2,11 +2,12 @@
 # The GPU measurements behind benchmarks/results/, one stage per argument, from the repository
 # root on the H200 machine (no install: PYTHONPATH=.). Results land in $OUT (default ./out).
 #
-#   bash benchmarks/run_h200.sh evidence e2e peer      # stages run in the order given
+#   bash benchmarks/run_h200.sh models e2e peer        # stages run in the order given
 #
 # Stages and the result files they produce:
 #   evidence  python -m decodejax evidence (base decode call)       -> evidence_<digest>.json
 #   sweep     the >= 10,000-row GPU correctness sweep per dtype     -> gpu_sweep_<dtype>.json
+#   models    append-attention GPU tests, then the model parity and engine tests with the GPU kernels in the loop
 #   kernel    FlashInfer (own process), then decodejax and the JAX peers -> fi.json, decode_attention.json
 #   e2e       llama3-8b engine decode, with a GPU-time profile per shape -> e2e_decode.json
 #   peer      transformers generate on the e2e shapes (own process) -> hf.json
@@ -26,6 +27,8 @@ for stage in "$@"; do
       python3 -m decodejax evidence --shape 8,8192,32,8,128,16 --out "$OUT" ;;
     sweep)
       python3 -m pytest -m gpu tests/test_decode_attention_gpu.py -k ten_thousand -q -p no:cacheprovider ;;
+    models)
+      python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" tests/test_append_attention.py tests/test_llama_hf.py tests/test_engine.py ;;
     kernel)
       if [ -d .whl ]; then
         python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
