@@ -63,9 +63,9 @@ class PageAllocator:
 class KVPool:
     """K and V pages in the decode kernel's PAGED_NHD layout, one array per layer.
 
-    One array per layer (not one [L, ...] array) because a kernel reads a layer's pages in
-    place: slicing layer l out of a stacked pool is a copy of the whole layer on GPUs
-    (a custom call takes whole buffers), every layer, every step.
+    One array per layer (not one [L, ...] array) so that a kernel reads a layer's pages where
+    they are: a kernel is a custom call, which XLA hands whole buffers, so a layer sliced out
+    of a stacked pool could be materialized as a copy of the layer, every layer, every step.
 
     Attributes:
       k: L arrays [num_pages, P, H_kv, D].
@@ -105,8 +105,8 @@ class KVPool:
     def write(self, layer: int, slots: jax.Array, k_new: jax.Array, v_new: jax.Array) -> "KVPool":
         """Writes rows k_new/v_new [n, H_kv, D] at flat slots i32[n] (page * P + row) of one layer.
 
-        One scatter per tensor into the layer's [num_pages * P, H_kv, D] view (a bitcast), so
-        a donated pool is updated in place.
+        One scatter per tensor into the layer's [num_pages * P, H_kv, D] view (a bitcast), or
+        one dynamic-update-slice for a single row, so a donated pool is updated in place.
         """
         N, P, H, D = self.page_shape
 
