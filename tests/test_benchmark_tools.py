@@ -1,4 +1,4 @@
-"""benchmarks.profile_summary: GPU stream events summed by name, other planes and lines ignored."""
+"""Benchmark tools: profile_summary (GPU stream events summed by name) and hopper_compile (kernel IR extraction)."""
 
 from types import SimpleNamespace as NS
 
@@ -23,3 +23,15 @@ def test_gpu_stream_events_are_summed_per_step_by_name():
     assert s["lines_read"] == ["/device:GPU:0 Stream #13(Compute)"]
     assert s["device_us_per_step"] == pytest.approx(4.5) and s["launches_per_step"] == 1.5
     assert s["top"] == [{"name": "gemm", "us_per_step": 2.5, "launches_per_step": 0.5, "share": pytest.approx(5 / 9)}]
+
+
+def test_hopper_compile_reads_each_kernels_triton_ir_from_the_cuda_lowering():
+    """benchmarks.hopper_compile's extraction (its compile step needs the optional triton package)."""
+    from benchmarks.hopper_compile import lowered_cases, triton_kernels
+
+    cases = dict(lowered_cases())
+    decode = triton_kernels(cases["decode_attention B=8 T=4096 H_q=32 H_kv=8 D=128 P=16 bf16"])
+    assert [(k["name"], k["num_warps"], k["num_stages"]) for k in decode] == [("decodejax_paged_decode", 4, 3), ("decodejax_merge_states", 4, 1)]
+    assert "tt.func public @decodejax_paged_decode" in decode[0]["ttir"] and "tt.dot" in decode[0]["ttir"] and "loc(" not in decode[0]["ttir"]
+    append = triton_kernels(next(v for k, v in cases.items() if k.startswith("append_attention")))
+    assert [k["name"] for k in append] == ["decodejax_paged_append"]
