@@ -110,10 +110,14 @@ def _append_kernel(
 
     def body(step, carry):
         t = lo + step * block_k + jnp.arange(block_k)
-        in_range = t < hi
-        k, v = load_kv_block(k_ref, v_ref, table_ref, c, t, in_range, h, lanes, page_size=page_size,
+        # Keys some row of the tile sees: the union of the rows' windows (and the sinks). Only
+        # those are loaded, so a block no row sees loads nothing (M1).
+        needed = t < hi
+        if mask.window_left is not None:
+            needed &= (t >= pos0 - mask.window_left) | (t < mask.sinks)
+        k, v = load_kv_block(k_ref, v_ref, table_ref, c, t, needed, h, lanes, page_size=page_size,
                              num_kv_heads=num_kv_heads, layout=layout)
-        seen = visible(q_pos[:, None], t[None, :], kv_len, mask) & live[:, None] & in_range[None, :]
+        seen = visible(q_pos[:, None], t[None, :], kv_len, mask) & live[:, None] & needed[None, :]
         return online_softmax_step(carry, q, k, v, seen, sm_scale=sm_scale, soft_cap=soft_cap)
 
     steps = jnp.where(n > 0, pl.cdiv(hi - lo, block_k), 0)

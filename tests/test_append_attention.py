@@ -90,6 +90,27 @@ def test_append_matches_a_float64_loop(case, backend):
     assert not np.isnan(np.asarray(o)).any()  # the poisoned slots were never read
 
 
+@pytest.mark.parametrize("backend", ["xla", "pallas_triton_interpret"])
+def test_keys_outside_every_rows_window_are_never_read(backend):
+    """M1: with a window, keys no new row sees (past the sinks, left of the first row's window) hold
+    NaN; a load of any of them would put NaN in the output through P @ V."""
+    window, sinks = 6, 2
+    p = make_append_problem(np.random.default_rng(11), prefix=(70, 3), new=(5, 4), q_heads=4, kv_heads=2, head_dim=64, page_size=8)
+    ref_o, ref_lse = oracle(p, window_left=window, sinks=sinks)
+    poisoned = dict(p, k_pages=p["k_pages"].copy(), v_pages=p["v_pages"].copy())
+    first_pos = p["kv_lens"][0] - 5
+    t = np.arange(sinks, first_pos - window)  # request 0's keys no row of it sees
+    rows = p["page_table"][0, t // 8], t % 8
+    poisoned["k_pages"][rows] = np.nan
+    poisoned["v_pages"][rows] = np.nan
+    o, lse = decodejax.append_attention(**{n: jnp.asarray(x) for n, x in poisoned.items()}, window_left=window, sinks=sinks,
+                                        return_lse=True, backend=backend)
+    live = np.arange(len(p["q"])) < p["qo_indptr"][-1]
+    assert len(t) > 40 and not np.isnan(np.asarray(o)).any()
+    np.testing.assert_allclose(np.asarray(o)[live], ref_o[live], atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(lse)[live], ref_lse[live], atol=1e-5, rtol=1e-5)
+
+
 def test_append_bf16_kernel_within_tolerance_of_the_oracle():
     p = make_append_problem(np.random.default_rng(7), prefix=(12, 40), new=(30, 9), q_heads=8, kv_heads=2, head_dim=128, page_size=16)
     args = {n: jnp.asarray(x, jnp.bfloat16 if n in ("q", "k_pages", "v_pages") else None) for n, x in p.items()}
