@@ -11,7 +11,9 @@ data (cp.async, ld.global, wgmma, mma.sync).
 
 What it shows: that a kernel compiles for Hopper and what it uses. What it does not: the jax
 here (CPU machine) may lower differently from the GPU machine's, and this Triton may differ from
-the one inside that jaxlib, so the GPU machine's binary can differ.
+the one inside that jaxlib, so the GPU machine's binary can differ. It reads the Triton IR that
+jaxlib <= 0.10.2 puts in the custom call; later jaxlibs compile Triton while lowering, which needs
+their CUDA plugin, so there this tool finds no kernels.
 """
 
 from __future__ import annotations
