@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-import time
 from collections import deque
 from collections.abc import Iterator, Sequence
 

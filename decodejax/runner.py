@@ -16,7 +16,6 @@ lengths land in `buffers.sampled`, which reaches the host in one copy.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import os
 import sys
