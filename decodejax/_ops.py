@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from decodejax import addressing, dispatch, planning, reference, split_state
 from decodejax.addressing import KVLayout
-from decodejax.masks import DecodeMask
+from decodejax.masks import DecodeMask, packed_rows
 
 _KV_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 # Deterministic (batch-invariant) mode: every request is cut into chunks of this many tokens,
@@ -280,11 +280,8 @@ def append_attention(
 def _append_xla(q, k_pages, v_pages, page_table, qo_indptr, kv_lens, *, layout, sm_scale, soft_cap, mask, config):
     """Each new token as a decode row of its request: its position + 1 keys through the reference."""
     del config
-    N, C = q.shape[0], kv_lens.shape[0]
-    n = jnp.arange(N, dtype=jnp.int32)
-    live = n < qo_indptr[-1]
-    req = jnp.clip(jnp.searchsorted(qo_indptr, n, side="right").astype(jnp.int32) - 1, 0, C - 1)
-    position = kv_lens[req] - (qo_indptr[req + 1] - qo_indptr[req]) + (n - qo_indptr[req])
+    req, within, live = packed_rows(qo_indptr, q.shape[0])
+    position = kv_lens[req] - (qo_indptr[req + 1] - qo_indptr[req]) + within
     o, lse = reference.paged_decode(q, k_pages, v_pages, page_table, jnp.where(live, position + 1, 0), layout=layout,
                                     cache_batch_idx=req, sm_scale=sm_scale, soft_cap=soft_cap, mask=mask)
     return o.astype(q.dtype), lse

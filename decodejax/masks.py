@@ -54,3 +54,17 @@ def visible(q_pos, k_pos, kv_len, mask: DecodeMask = DecodeMask()):
         return causal
     in_window = k_pos >= q_pos - mask.window_left
     return causal & (in_window | (k_pos < mask.sinks))
+
+
+def segment_of(starts, index):
+    """The segment holding each index, for sorted starts i32[S + 1] (each segment's start, then the
+    end); indices at or past the end map to the last segment (callers mask them)."""
+    return jnp.clip(jnp.searchsorted(starts, index, side="right").astype(jnp.int32) - 1, 0, starts.shape[0] - 2)
+
+
+def packed_rows(qo_indptr, num_rows: int):
+    """Rows of new tokens packed request-major: (request, index within it, live) of each row
+    [0, num_rows); rows at or past qo_indptr[-1] are padding (live False)."""
+    n = jnp.arange(num_rows, dtype=jnp.int32)
+    request = segment_of(qo_indptr, n)
+    return request, n - qo_indptr[request], n < qo_indptr[-1]

@@ -194,7 +194,7 @@ def refresh_decode_metadata_jit(buffers, packed, *, bs, router):
 @functools.partial(
     jax.tree_util.register_dataclass,
     data_fields=("window_ids", "positions", "slots", "seq_lens", "page_tables", "write_slots", "extend"),
-    meta_fields=("layer_leaves", "mode"),
+    meta_fields=("layer_leaves",),
 )
 @dataclasses.dataclass(frozen=True)
 class ForwardContext:
@@ -210,8 +210,12 @@ class ForwardContext:
     page_tables: dict  # {leaf: i32[rows, W_leaf]}
     write_slots: dict  # {leaf: i32[rows * N]}
     layer_leaves: tuple[str, ...]  # leaf of each layer
-    mode: str  # "decode" or "extend"
     extend: "ExtendChunks | None" = None  # the requests of an extend forward (None in decode)
+
+    @property
+    def mode(self) -> str:
+        """"extend" when the forward carries its requests' new tokens, else "decode"."""
+        return "decode" if self.extend is None else "extend"
 
     @staticmethod
     def for_decode(buffers: DecodeBuffers, bs: int, layer_leaves: tuple[str, ...]) -> "ForwardContext":
@@ -224,7 +228,6 @@ class ForwardContext:
             page_tables={k: v[:bs] for k, v in buffers.page_tables.items()},
             write_slots={k: v[: bs * N] for k, v in buffers.write_slots.items()},
             layer_leaves=layer_leaves,
-            mode="decode",
         )
 
     def write_locations(self, layer: int, mode: str) -> jax.Array:
@@ -329,10 +332,10 @@ def build_extend_metadata(router: CacheGroupRouter, layer_leaves: tuple[str, ...
             if len(row) * g.block_granularity < T[b] + C[b]:
                 raise ValueError(f"request {b}: group {g.name!r} blocks {list(row)} do not cover [0, {T[b] + C[b]})")
             blocks[b, : len(row)] = row
-        table = router.kernel_table(lf.name, jnp.asarray(blocks[req]), live)
+        request_tables[lf.name] = router.kernel_table(lf.name, jnp.asarray(blocks), live_requests)
+        table = jnp.where(live[:, None], request_tables[lf.name][req], 0)  # each row its request's table
         page_tables[lf.name] = table
         write_slots[lf.name] = router.write_slots(lf.name, table, jnp.asarray(pos)[:, None]).reshape(-1)
-        request_tables[lf.name] = router.kernel_table(lf.name, jnp.asarray(blocks), live_requests)
     qo_indptr = np.full(num_requests + 1, total, np.int32)
     qo_indptr[: len(C) + 1] = np.concatenate([[0], np.cumsum(C)])
     kv_lens = np.zeros(num_requests, np.int32)
@@ -347,6 +350,5 @@ def build_extend_metadata(router: CacheGroupRouter, layer_leaves: tuple[str, ...
         page_tables=page_tables,
         write_slots=write_slots,
         layer_leaves=layer_leaves,
-        mode="extend",
         extend=ExtendChunks(qo_indptr=jnp.asarray(qo_indptr), kv_lens=jnp.asarray(kv_lens), page_tables=request_tables),
     )

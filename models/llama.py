@@ -162,7 +162,7 @@ class Attention(nnx.Module):
         pool = pool.write(self.layer, ctx.write_locations(self.layer, ctx.mode), flat(k), flat(v))
         window = None if c.sliding_window is None else c.sliding_window - 1
         k_pages, v_pages = pool.k[self.layer], pool.v[self.layer]
-        if ctx.extend is not None:  # prefill / chunked prefill: tiles of new tokens share each K/V load
+        if ctx.mode == "extend":  # prefill / chunked prefill: tiles of new tokens share each K/V load
             table, qo_indptr, kv_lens = ctx.append_rows(self.layer)
             o = decodejax.append_attention(flat(q).astype(pool.dtype), k_pages, v_pages, table, qo_indptr, kv_lens, window_left=window)
         else:

@@ -23,7 +23,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from decodejax.addressing import KVLayout, pool_geometry
-from decodejax.masks import DecodeMask, visible
+from decodejax.masks import DecodeMask, packed_rows, segment_of, visible
 from pallas_kernels.paged_blocks import finish, initial_carry, load_kv_block, online_softmax_step
 
 TILE_ROWS = 64  # query rows (tokens x padded group) of one program: the dot's M
@@ -57,7 +57,7 @@ def plan_tiles(qo_indptr: jax.Array, *, tokens: int, num_tiles: int) -> tuple[ja
     lens = qo_indptr[1:] - qo_indptr[:-1]
     first_tile = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(pl.cdiv(lens, tokens)).astype(jnp.int32)])
     j = jnp.arange(num_tiles, dtype=jnp.int32)
-    request = jnp.clip(jnp.searchsorted(first_tile, j, side="right").astype(jnp.int32) - 1, 0, lens.shape[0] - 1)
+    request = segment_of(first_tile, j)
     first_row = qo_indptr[request] + (j - first_tile[request]) * tokens
     rows = jnp.where(j < first_tile[-1], jnp.clip(qo_indptr[request + 1] - first_row, 0, tokens), 0)
     return first_tile, request, first_row, rows
@@ -176,10 +176,7 @@ def paged_append(
         name="decodejax_paged_append",
     )(q, k_pages.reshape(flat_rows, D), v_pages.reshape(flat_rows, D), page_table, qo_indptr, kv_lens, request, first_row, rows)
     # Packed row n -> its request, tile and row of the tile; then every head of the row.
-    n = jnp.arange(N, dtype=jnp.int32)
-    live = n < qo_indptr[-1]
-    req = jnp.clip(jnp.searchsorted(qo_indptr, n, side="right").astype(jnp.int32) - 1, 0, C - 1)
-    within = n - qo_indptr[req]
+    req, within, live = packed_rows(qo_indptr, N)
     tile = jnp.where(live, first_tile[req] + within // tokens, 0)
     hq = jnp.arange(H_q)
     slot = (within % tokens)[:, None] * padded_group(group) + (hq % group)[None, :]  # [N, H_q]
