@@ -132,7 +132,7 @@ def profile_engine_steps(engine, steps: int) -> dict:
     with jax.profiler.trace(trace_dir):
         for _ in range(steps):
             engine.step()
-    summary = device_activity(trace_dir, steps)
+    summary = device_activity(trace_dir, steps, top=30)
     summary["wall_ms_per_step_traced"] = (time.perf_counter() - t) * 1e3 / steps
     return summary
 

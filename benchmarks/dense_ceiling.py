@@ -1,0 +1,101 @@
+"""What XLA's dense layers alone cost at decode: the ceiling a model step cannot beat.
+
+    python -m benchmarks.dense_ceiling --model llama3-8b --batch 1,8,32,64,128 --out dense.json
+
+Runs a Llama's decode-step matmuls and norms with its preset's shapes and random bf16 weights,
+attention replaced by the identity (o = q), for one token per row: every weight is read once,
+as in a real step. Two layouts of the same weights: `separate` (q, k, v, gate and up as their
+own matmuls, as `models.llama` holds them) and `fused` (one qkv matmul, one gate|up matmul).
+Timing is `decodejax.evidence.timed_samples` (back-to-back calls, then one sync); TB/s is
+weight bytes read / median time against the 4.8 TB/s datasheet. The gap between this and an
+end-to-end step is attention, the cache write, sampling and the engine's host work.
+"""
+
+import argparse
+import json
+import platform
+
+import jax
+import jax.numpy as jnp
+
+from decodejax import evidence
+from models.llama import PRESETS
+
+DATASHEET_BPS = 4.8e12
+
+
+def random_weights(config, fused: bool, dtype, seed: int = 0) -> dict:
+    c, key = config, jax.random.key(seed)
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+
+    def w(shape):
+        nonlocal key
+        key, sub = jax.random.split(key)
+        return (jax.random.normal(sub, shape, jnp.float32) * shape[0] ** -0.5).astype(dtype)
+
+    layers = []
+    for _ in range(c.num_layers):
+        layer = {"wo": w((q, c.hidden_size)), "w_down": w((c.intermediate_size, c.hidden_size))}
+        if fused:
+            layer.update(wqkv=w((c.hidden_size, q + 2 * kv)), w_gate_up=w((c.hidden_size, 2 * c.intermediate_size)))
+        else:
+            layer.update(wq=w((c.hidden_size, q)), wk=w((c.hidden_size, kv)), wv=w((c.hidden_size, kv)),
+                         w_gate=w((c.hidden_size, c.intermediate_size)), w_up=w((c.hidden_size, c.intermediate_size)))
+        layers.append(layer)
+    return {"layers": layers, "head": w((c.hidden_size, c.vocab_size))}
+
+
+def _rms(x):
+    x32 = x.astype(jnp.float32)
+    return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + 1e-5)).astype(x.dtype)
+
+
+@jax.jit
+def dense_step(weights, x):  # x [B, hidden] -> (logits f32[B, V], f32 sum of every k and v)
+    kv_sum = jnp.zeros((), jnp.float32)  # returned, so the k and v matmuls cannot be dropped
+    for layer in weights["layers"]:
+        y = _rms(x)
+        if "wqkv" in layer:
+            qkv = y @ layer["wqkv"]
+            q, kv = qkv[:, : layer["wo"].shape[0]], qkv[:, layer["wo"].shape[0]:]
+        else:
+            q, kv = y @ layer["wq"], jnp.concatenate([y @ layer["wk"], y @ layer["wv"]], axis=-1)
+        kv_sum = kv_sum + kv.astype(jnp.float32).sum()
+        x = x + q @ layer["wo"]
+        y = _rms(x)
+        if "w_gate_up" in layer:
+            gate, up = jnp.split(y @ layer["w_gate_up"], 2, axis=-1)
+        else:
+            gate, up = y @ layer["w_gate"], y @ layer["w_up"]
+        x = x + (jax.nn.silu(gate) * up) @ layer["w_down"]
+    return (_rms(x) @ weights["head"]).astype(jnp.float32), kv_sum
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="llama3-8b")
+    parser.add_argument("--batch", default="1,8,32,64,128")
+    parser.add_argument("--samples", type=int, default=20)
+    parser.add_argument("--out", default="benchmarks/results/dense_ceiling.json")
+    args = parser.parse_args(argv)
+    config, dtype = PRESETS[args.model], jnp.bfloat16
+    rows = []
+    for layout in ("separate", "fused"):
+        weights = random_weights(config, layout == "fused", dtype)
+        nbytes = sum(a.nbytes for a in jax.tree.leaves(weights))
+        for batch in (int(b) for b in args.batch.split(",")):
+            x = jax.random.normal(jax.random.key(batch), (batch, config.hidden_size), jnp.float32).astype(dtype)
+            us = evidence.timed_samples(dense_step, (weights, x), samples=args.samples)
+            med = sorted(us)[len(us) // 2]
+            rows.append({"layout": layout, "batch": batch, "us_samples": us, "us_median": med, "us_min": min(us),
+                         "weight_bytes": nbytes, "tb_per_s": nbytes / med / 1e6, "datasheet_fraction": nbytes / (med * 1e-6) / DATASHEET_BPS})
+            print(f"{layout:8s} B={batch:4d} {med / 1e3:7.3f} ms  {rows[-1]['tb_per_s']:.2f} TB/s", flush=True)
+        del weights
+    result = {"machine": {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "python": platform.python_version()},
+              "model": args.model, "dtype": "bfloat16", "rows": rows}
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
