@@ -20,6 +20,9 @@ Weight bytes read = every parameter except the embedding table, plus the `batch`
 rows gathered (a tied head reads the table as the head). K/V bytes read = batch x context x
 layers x H_kv x D x 2 x itemsize.
 
+Each shape also replays its compiled step back to back (`replay_ms`): the device-bound step
+time, whose gap to ms per step is the engine's host work between steps.
+
 `--profile-steps N` traces N more steps per shape with jax.profiler and records the GPU time
 per step by kernel name (benchmarks.profile_summary): what the step's time goes to.
 
@@ -108,6 +111,7 @@ def measure(engine, batch: int, context: int, steps: int, warmup: int, rng, prof
         times.append((time.perf_counter() - t) * 1e3)
         if len(produced) != batch:
             raise RuntimeError(f"a step produced {len(produced)} tokens for a batch of {batch}")
+    replay = replay_step_ms(engine, seated)
     profile = profile_engine_steps(engine, profile_steps) if profile_steps else None
     for req in seated:
         engine.abort(req.id)
@@ -115,10 +119,39 @@ def measure(engine, batch: int, context: int, steps: int, warmup: int, rng, prof
         raise RuntimeError(f"free pages {engine.allocator.num_free} != {free_before} after the shape")
     median = float(np.median(times))
     row = {"batch": batch, "context": context, "step_ms_samples": times, "step_ms_median": median,
-           "step_ms_min": float(np.min(times)), "tokens_per_s": batch / (median / 1e3)}
+           "step_ms_min": float(np.min(times)), "tokens_per_s": batch / (median / 1e3),
+           "replay_ms_samples": replay, "replay_ms_median": float(np.median(replay))}
     if profile is not None:
         row["profile"] = profile
     return row
+
+
+def replay_step_ms(engine, seated, samples: int = 10, reps: int = 10) -> list[float]:
+    """ms per call of the batch's compiled step replayed back to back (`reps` calls, one sync).
+
+    The same packed batch each time (the next token's K/V slot is rewritten), so no host work
+    runs between calls: the device-bound step time. The gap to `step_ms` is the engine's host
+    work between steps (scheduling, packing, dispatch, the token copy).
+    """
+    import jax
+
+    from decodejax.metadata import DecodeRow, pack_decode_batch
+
+    runner = engine.runner
+    rows = [DecodeRow(r.slot, r.cached, (r.last_token,), {"main": r.blocks}) for r in seated]
+    bs = runner.bucket_for(len(rows))
+    packed = pack_decode_batch(rows, bs=bs, router=runner.router, window=runner.config.window, vocab_size=runner.vocab_size)
+    step = runner.executable(bs)
+    out = []
+    for i in range(samples + 1):  # the first sample warms up
+        jax.block_until_ready(runner.buffers)
+        t = time.perf_counter()
+        for _ in range(reps):
+            runner.pool, runner.buffers = step(runner.param_leaves, runner.pool, runner.buffers, runner.sampling, packed)
+        jax.block_until_ready(runner.buffers)
+        if i:
+            out.append((time.perf_counter() - t) * 1e3 / reps)
+    return out
 
 
 def profile_engine_steps(engine, steps: int) -> dict:

@@ -134,27 +134,30 @@ class Attention(nnx.Module):
     def __init__(self, config: LlamaConfig, layer: int, dtype, rngs: nnx.Rngs):
         c = config
         self.config, self.layer = c, layer
-        self.wq = _dense(rngs, c.hidden_size, c.num_heads * c.head_dim, dtype)
-        self.wk = _dense(rngs, c.hidden_size, c.num_kv_heads * c.head_dim, dtype)
-        self.wv = _dense(rngs, c.hidden_size, c.num_kv_heads * c.head_dim, dtype)
+        # q, k and v in one [hidden, (H_q + 2 H_kv) D] matrix: one matmul reads all three. At
+        # decode a step is weight-bound, and one wide GEMM streams the weights faster than three
+        # narrow ones (benchmarks/results/dense_ceiling.json).
+        self.wqkv = _dense(rngs, c.hidden_size, self.qkv_width, dtype)
         self.wo = _dense(rngs, c.num_heads * c.head_dim, c.hidden_size, dtype)
         if c.attention_bias:
-            self.bq = nnx.Param(jnp.zeros((c.num_heads * c.head_dim,), dtype))
-            self.bk = nnx.Param(jnp.zeros((c.num_kv_heads * c.head_dim,), dtype))
-            self.bv = nnx.Param(jnp.zeros((c.num_kv_heads * c.head_dim,), dtype))
+            self.bqkv = nnx.Param(jnp.zeros((self.qkv_width,), dtype))
         if c.qk_norm:
             self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype)
 
+    @property
+    def qkv_width(self) -> int:
+        c = self.config
+        return (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+
     def __call__(self, x, pool: KVPool, ctx: ForwardContext, inv_freq):
         c = self.config
         rows, N, _ = x.shape
-        q, k, v = x @ self.wq[...], x @ self.wk[...], x @ self.wv[...]
+        qkv = x @ self.wqkv[...]
         if c.attention_bias:
-            q, k, v = q + self.bq[...], k + self.bk[...], v + self.bv[...]
-        q = q.reshape(rows, N, c.num_heads, c.head_dim)
-        k = k.reshape(rows, N, c.num_kv_heads, c.head_dim)
-        v = v.reshape(rows, N, c.num_kv_heads, c.head_dim)
+            qkv = qkv + self.bqkv[...]
+        heads = qkv.reshape(rows, N, c.num_heads + 2 * c.num_kv_heads, c.head_dim)
+        q, k, v = jnp.split(heads, [c.num_heads, c.num_heads + c.num_kv_heads], axis=2)
         if c.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, ctx.positions, inv_freq), apply_rope(k, ctx.positions, inv_freq)
@@ -177,15 +180,15 @@ class DecoderLayer(nnx.Module):
         self.input_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
         self.attn = Attention(c, layer, dtype, rngs)
         self.post_attn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
-        self.w_gate = _dense(rngs, c.hidden_size, c.intermediate_size, dtype)
-        self.w_up = _dense(rngs, c.hidden_size, c.intermediate_size, dtype)
+        self.w_gate_up = _dense(rngs, c.hidden_size, 2 * c.intermediate_size, dtype)  # [gate | up]: one matmul
         self.w_down = _dense(rngs, c.intermediate_size, c.hidden_size, dtype)
 
     def __call__(self, x, pool, ctx, inv_freq):
         h, pool = self.attn(self.input_norm(x), pool, ctx, inv_freq)
         x = x + h
         y = self.post_attn_norm(x)
-        return x + (jax.nn.silu(y @ self.w_gate[...]) * (y @ self.w_up[...])) @ self.w_down[...], pool
+        gate, up = jnp.split(y @ self.w_gate_up[...], 2, axis=-1)
+        return x + (jax.nn.silu(gate) * up) @ self.w_down[...], pool
 
 
 class Llama(nnx.Module):
@@ -247,11 +250,13 @@ def from_pretrained(path: str, dtype=jnp.float32) -> Llama:
         raise FileNotFoundError(f"no *.safetensors files in {root}")
     model = Llama(config, dtype=dtype, rngs=nnx.Rngs(0))
 
-    def take(name, transpose=False):
-        if name not in tensors:
-            raise KeyError(f"{root}: missing tensor {name}")
-        t = np.asarray(tensors[name], np.float32)
-        return jnp.asarray(t.T if transpose else t, dtype)
+    def take(*names, transpose=False):
+        """The named tensors, concatenated along their output axis (the last after transposing)."""
+        missing = [n for n in names if n not in tensors]
+        if missing:
+            raise KeyError(f"{root}: missing tensor {missing[0]}")
+        ts = [np.asarray(tensors[n], np.float32) for n in names]
+        return jnp.asarray(np.concatenate([t.T if transpose else t for t in ts], axis=-1), dtype)
 
     model.embed[...] = take("model.embed_tokens.weight")
     model.norm.weight[...] = take("model.norm.weight")
@@ -261,15 +266,14 @@ def from_pretrained(path: str, dtype=jnp.float32) -> Llama:
         p = f"model.layers.{i}."
         layer.input_norm.weight[...] = take(p + "input_layernorm.weight")
         layer.post_attn_norm.weight[...] = take(p + "post_attention_layernorm.weight")
-        for ours, theirs in (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"), ("wo", "o_proj")):
-            getattr(layer.attn, ours)[...] = take(p + f"self_attn.{theirs}.weight", transpose=True)
+        qkv = [p + f"self_attn.{proj}_proj." for proj in "qkv"]
+        layer.attn.wqkv[...] = take(*(n + "weight" for n in qkv), transpose=True)
+        layer.attn.wo[...] = take(p + "self_attn.o_proj.weight", transpose=True)
         if config.attention_bias:
-            for ours, theirs in (("bq", "q_proj"), ("bk", "k_proj"), ("bv", "v_proj")):
-                getattr(layer.attn, ours)[...] = take(p + f"self_attn.{theirs}.bias")
+            layer.attn.bqkv[...] = take(*(n + "bias" for n in qkv))
         if config.qk_norm:
             layer.attn.q_norm.weight[...] = take(p + "self_attn.q_norm.weight")
             layer.attn.k_norm.weight[...] = take(p + "self_attn.k_norm.weight")
-        layer.w_gate[...] = take(p + "mlp.gate_proj.weight", transpose=True)
-        layer.w_up[...] = take(p + "mlp.up_proj.weight", transpose=True)
+        layer.w_gate_up[...] = take(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight", transpose=True)
         layer.w_down[...] = take(p + "mlp.down_proj.weight", transpose=True)
     return model

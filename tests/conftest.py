@@ -21,3 +21,19 @@ def x64():
 @pytest.fixture
 def rng():
     return np.random.default_rng(0)
+
+
+@pytest.fixture(autouse=True)
+def _interpret_backends_run_on_the_host(request):
+    """A test parametrized with an interpret-mode backend runs on the CPU device.
+
+    Interpret mode emulates a kernel with ordinary XLA ops; on a GPU machine those would run on
+    the GPU, whose default f32 matmul precision (TF32) is not what the CPU tolerances assume.
+    """
+    callspec = getattr(request.node, "callspec", None)
+    backend = callspec.params.get("backend") if callspec else None
+    if isinstance(backend, str) and "interpret" in backend:
+        with jax.default_device(jax.devices("cpu")[0]):
+            yield
+    else:
+        yield

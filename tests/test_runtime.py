@@ -143,6 +143,33 @@ def test_R8_window_of_one_equals_plain_sampling_and_seeds_reproduce():
     assert int(alone[0, 0]) == int(tokens[2, 0])
 
 
+def test_R8_rows_that_need_no_sort_filter_the_same_alone_and_beside_rows_that_do():
+    """The sort runs only for batches with a top-k > 1 or top-p < 1 row; a greedy, plain or min-p
+    row's kept set must not depend on whether its neighbours switched the sort on."""
+    from decodejax.sampling import _filter_logits
+
+    logits = jax.random.normal(jax.random.PRNGKey(3), (5, 200)) * 4
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7), SamplingParams(min_p=0.05),
+              SamplingParams(temperature=1.3, min_p=0.2), SamplingParams(top_p=0.8, top_k=20)]
+    pool = _pool_for(dict(enumerate(params)))
+    args = lambda rows: (logits[rows], pool.temperature[rows], pool.top_k[rows], pool.top_p[rows], pool.min_p[rows])  # noqa: E731
+    together = np.asarray(_filter_logits(*args(np.arange(5))))
+    for r in range(4):
+        np.testing.assert_array_equal(np.asarray(_filter_logits(*args(np.array([r]))))[0], together[r])
+    assert np.isfinite(together[0]).sum() == 1 and np.isfinite(together[1]).all()  # greedy: the max; plain: all
+    assert 0 < np.isfinite(together[4]).sum() <= 20  # the sorted row's filters applied
+
+
+def test_R8_top_p_1_keeps_every_token_even_when_the_rounded_mass_reaches_1_early():
+    from decodejax.sampling import _filter_logits
+
+    logits = jnp.concatenate([jnp.array([30.0]), -30.0 - jnp.arange(999) / 1000])[None]  # tail mass ~1e-26 each, no ties
+    one = lambda x: jnp.array([x])  # noqa: E731
+    for top_k in (0, 5):  # without and with the sort
+        kept = np.isfinite(np.asarray(_filter_logits(logits, one(1.0), one(top_k), one(1.0), one(0.0))))
+        assert kept.sum() == (1000 if top_k == 0 else 5)
+
+
 def test_R8_verify_accepts_leading_matching_drafts():
     logits = jnp.full((2, 3, 5), -5.0).at[0, 0, 2].set(5).at[0, 1, 4].set(5).at[0, 2, 1].set(5)
     logits = logits.at[1, 0, 3].set(5).at[1, 1, 0].set(5).at[1, 2, 0].set(5)
