@@ -137,6 +137,7 @@ def replay_step_ms(engine, seated, samples: int = 10, reps: int = 10) -> list[fl
 
     from decodejax.metadata import DecodeRow, pack_decode_batch
 
+    engine.drain()  # the replays below overwrite the sampled tokens a step in flight would read
     runner = engine.runner
     rows = [DecodeRow(r.slot, r.cached, (r.last_token,), {"main": r.blocks}) for r in seated]
     bs = runner.bucket_for(len(rows))
@@ -147,7 +148,7 @@ def replay_step_ms(engine, seated, samples: int = 10, reps: int = 10) -> list[fl
         jax.block_until_ready(runner.buffers)
         t = time.perf_counter()
         for _ in range(reps):
-            runner.pool, runner.buffers = step(runner.param_leaves, runner.pool, runner.buffers, runner.sampling, packed)
+            runner.pool, runner.buffers, _ = step(runner.param_leaves, runner.pool, runner.buffers, runner.sampling, packed)
         jax.block_until_ready(runner.buffers)
         if i:
             out.append((time.perf_counter() - t) * 1e3 / reps)

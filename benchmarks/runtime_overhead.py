@@ -45,11 +45,11 @@ def main(argv=None):
             t0 = time.perf_counter()
             pack_decode_batch(rows, bs=bs, router=runner.router, window=1, vocab_size=CFG.vocab_size)
             t1 = time.perf_counter()
-            runner.submit(rows)  # packs again, then dispatches
+            pending = runner.submit(rows)  # packs again, then dispatches
             t2 = time.perf_counter()
             jax.block_until_ready(runner.buffers)
             t3 = time.perf_counter()
-            runner.fetch(n)
+            runner.fetch(pending)
             t4 = time.perf_counter()
             pack.append(t1 - t0)
             dispatch.append(t2 - t1 - (t1 - t0))

@@ -97,14 +97,15 @@ def _validate_paged_args(q, k_pages, v_pages, page_table, seq_lens, cache_batch_
 def decode_plan(
     batch: int, kv_heads: int, max_len: int, block_k: int, *, num_splits: int | None, deterministic: bool
 ) -> planning.SplitPlan:
-    """The split plan of one decode call (static: depends on shapes only, never on lengths)."""
+    """The split plan of one decode call: static (shapes only); its bounds follow the lengths."""
     if deterministic:
         if num_splits is not None:
             raise ValueError(f"num_splits={num_splits} cannot be combined with deterministic=True (fixed chunks)")
         capacity = max(1, -(-max_len // DETERMINISTIC_CHUNK))
         return planning.SplitPlan(1, capacity, policy="fixed_chunk", chunk=DETERMINISTIC_CHUNK)
-    if num_splits is None:
-        num_splits = planning.decode_num_splits(batch, kv_heads, max_len, _num_sms())
+    if num_splits is None:  # auto: the slots the shapes allow, used as the lengths need
+        capacity = planning.decode_num_splits(batch, kv_heads, max_len, _num_sms(), min_split_tokens=block_k)
+        return planning.SplitPlan(capacity, capacity, align=block_k, target_splits=planning.decode_target_splits(kv_heads, _num_sms()))
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     return planning.SplitPlan(num_splits, num_splits, align=block_k)
@@ -153,7 +154,8 @@ def decode_attention(
       return_partial_states: also return the per-split LseState f32[B, H_q, S] (Pallas backends).
       deterministic: fixed chunks of DETERMINISTIC_CHUNK tokens, so a request's output is bit
         identical whatever its neighbours and the batch size.
-      num_splits: split count; default from planning.decode_num_splits.
+      num_splits: split count of every request; default: planning.decode_num_splits slots,
+        of which each request uses what the batch's lengths need (planning.decode_target_splits).
       config: pallas_kernels.decode_attention.DecodeConfig; default from its default_config.
       dense_mask: optional bool[B, W * P], an application mask ANDed with the causal/window
         visibility (mask_kind dense_custom: admitted by the XLA backend only).

@@ -7,7 +7,11 @@ Each `step()`:
      samples its first token from its last prompt position;
   3. runs one bucketed decode step (DecodeRunner) over every running request, allocating a
      block when the next position needs one; out of blocks, the newest running request is
-     preempted back to the waiting queue (its tokens are recomputed later);
+     preempted back to the waiting queue (its tokens are recomputed later). With
+     `overlap_decode` the engine dispatches the following decode step before it reads this
+     one's tokens (each continuing row takes its token from the device), so the host's
+     bookkeeping runs while the GPU works; a row of a request that this step finishes is
+     computed and dropped;
   4. finishes requests on EOS, a stop token or max_new_tokens, and on abort; their blocks and
      slots return to the free lists.
 
@@ -30,7 +34,7 @@ import numpy as np
 
 from decodejax.cache import CacheGroup, CacheGroupRouter, KVPool, Leaf, OutOfPages, PageAllocator
 from decodejax.metadata import DecodeRow, ExtendInputs, build_extend_metadata
-from decodejax.runner import AttentionLeafBackend, DecodeRunner, RunnerConfig
+from decodejax.runner import AttentionLeafBackend, DecodeRunner, PendingStep, RunnerConfig
 from decodejax.sampling import SamplingParams, sample_window
 
 
@@ -81,6 +85,8 @@ class EngineConfig:
       capture_ladder: the decode buckets (default: the runner's ladder up to max_capture_bs).
       kv_dtype: K/V pool dtype.
       compilation_cache_dir: JAX persistent compilation cache for the decode buckets (None: off).
+      overlap_decode: dispatch decode step k + 1 before reading step k's tokens (one step in
+        flight); False runs each step to its end first. Tokens are the same either way.
     """
 
     max_batch: int = 8
@@ -93,6 +99,7 @@ class EngineConfig:
     capture_ladder: tuple[int, ...] | None = None
     kv_dtype: str = "float32"
     compilation_cache_dir: str | None = None
+    overlap_decode: bool = True
 
     def __post_init__(self):
         if self.prefill_token_budget > max(self.prefill_buckets):
@@ -109,6 +116,7 @@ class Request:
     blocks: list[int] = dataclasses.field(default_factory=list)
     slot: int | None = None
     finish_reason: str | None = None
+    epoch: int = 0  # bumped when its blocks are released: an in-flight row of an older epoch is stale
 
     @property
     def tokens(self) -> list[int]:
@@ -138,6 +146,14 @@ def _prefill_forward(forward, state, pool, ctx, last_rows, positions, slots, sam
     first = logits[last_rows, 0][:, None, :]
     tokens, _ = sample_window(first, jnp.zeros_like(positions), positions, slots, sampling)
     return tokens[:, 0], pool
+
+
+@dataclasses.dataclass
+class InFlight:
+    """A dispatched decode step: its pending output and, per row, the request and its epoch."""
+
+    pending: PendingStep
+    rows: list[tuple[Request, int]]
 
 
 class Engine:
@@ -171,6 +187,7 @@ class Engine:
         self.running: list[Request] = []
         self.finished: dict[int, Request] = {}
         self._ids = itertools.count()
+        self._in_flight: InFlight | None = None
         self._prefill = jax.jit(functools.partial(_prefill_forward, forward), donate_argnums=(1,))
         self.capture_seconds = self.runner.capture(progress=None)
 
@@ -191,6 +208,10 @@ class Engine:
             raise RequestError(f"token ids {bad[:8]} outside the vocabulary of {self.vocab_size}")
         if len(ids) + params.max_new_tokens > self.config.max_context:
             raise RequestError(f"prompt of {len(ids)} tokens + max_new_tokens={params.max_new_tokens} exceeds the context of {self.config.max_context}")
+        pages = -(-(len(ids) + params.max_new_tokens) // self.config.page_size)
+        if pages > self.allocator.num_pages - 1:  # it could never run, even alone: it would wait forever
+            raise RequestError(f"prompt of {len(ids)} tokens + max_new_tokens={params.max_new_tokens} needs {pages} pages; "
+                               f"the pool has {self.allocator.num_pages - 1}")
         return ids, params
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | dict | None = None) -> int:
@@ -215,6 +236,7 @@ class Engine:
         """Returns the request's blocks and slot to the free lists."""
         self.allocator.free(req.blocks)
         req.blocks, req.cached = [], 0
+        req.epoch += 1
         if req.slot is not None:
             self.free_slots.append(req.slot)
             req.slot = None
@@ -300,8 +322,37 @@ class Engine:
         return produced
 
     def _decode_step(self) -> list[tuple[int, int]]:
-        ready = [r for r in self.running if r.generated and r.cached == r.num_tokens - 1]
+        """Reads one decode step's tokens: the one in flight, or one dispatched now; with
+        overlap_decode, the next step is dispatched before the read."""
+        step, self._in_flight = self._in_flight, None
+        if step is None:
+            step = self._dispatch_decode(self._host_ready_rows())
+            if step is None:
+                return []
+        if self.config.overlap_decode:
+            ready = self._host_ready_rows(step)  # first: it may preempt requests of `step`
+            self._in_flight = self._dispatch_decode(ready + self._continuing_rows(step))
+        return self._collect(step)
+
+    def drain(self) -> list[tuple[int, int]]:
+        """Reads the decode step in flight, if any, dispatching nothing: afterwards the device
+        holds no work of the engine's and every running request's last token is on the host."""
+        step, self._in_flight = self._in_flight, None
+        return self._collect(step) if step is not None else []
+
+    def _host_ready_rows(self, in_flight: InFlight | None = None) -> list[tuple[Request, DecodeRow]]:
+        """Rows of running requests whose last token the host has (none of the step in flight).
+
+        Out of blocks, the newest running request is preempted back to the waiting queue, even
+        one in flight: its row there is dropped, and the blocks it frees are written by later
+        steps only, in stream order. Build these rows before `_continuing_rows`, which then
+        skips the preempted.
+        """
+        flying = set() if in_flight is None else {id(r) for r, epoch in in_flight.rows if r.epoch == epoch}
+        ready = [r for r in self.running if r.generated and r.cached == r.num_tokens - 1 and id(r) not in flying]
         for req in list(ready):
+            if req.slot is None:
+                continue  # preempted for an earlier row: it holds no blocks while it waits
             while not self._blocks_for(req, req.num_tokens):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -309,15 +360,30 @@ class Engine:
                     ready.remove(victim)
                 if victim is req:
                     break
-        ready = [r for r in ready if r.slot is not None]
-        if not ready:
-            return []
-        rows = [DecodeRow(r.slot, r.cached, (r.last_token,), {"main": r.blocks}) for r in ready]
-        out = self.runner.step(rows)
+        return [(r, DecodeRow(r.slot, r.cached, (r.last_token,), {"main": r.blocks})) for r in ready if r.slot is not None]
+
+    def _continuing_rows(self, step: InFlight) -> list[tuple[Request, DecodeRow]]:
+        """Rows that go on from the step in flight: position + 1, token read from its row."""
+        rows = []
+        for j, (req, epoch) in enumerate(step.rows):
+            alive = req.epoch == epoch and req.finish_reason is None
+            if alive and len(req.generated) + 1 < req.params.max_new_tokens and self._blocks_for(req, req.num_tokens + 1):
+                rows.append((req, DecodeRow(req.slot, req.cached + 1, (0,), {"main": req.blocks}, token_from_row=j)))
+        return rows
+
+    def _dispatch_decode(self, rows: list[tuple[Request, DecodeRow]]) -> InFlight | None:
+        if not rows:
+            return None
+        return InFlight(self.runner.submit([row for _, row in rows]), [(req, req.epoch) for req, _ in rows])
+
+    def _collect(self, step: InFlight) -> list[tuple[int, int]]:
+        """Waits for the step's tokens and emits them; rows of requests that finished, aborted or
+        were preempted since its dispatch are dropped."""
         produced = []
-        for req, sampled in zip(ready, out):
-            req.cached += 1
-            self._emit(req, int(sampled[0]), produced)
+        for (req, epoch), sampled in zip(step.rows, self.runner.fetch(step.pending)):
+            if req.epoch == epoch and req.finish_reason is None:
+                req.cached += 1
+                self._emit(req, int(sampled[0]), produced)
         return produced
 
     # -- front ends -------------------------------------------------------------------------

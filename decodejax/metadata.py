@@ -25,8 +25,9 @@ import numpy as np
 from decodejax.cache import CacheGroupRouter
 
 # The packed upload is int32 [1 + bs, packed_width]: row 0 is a header whose first entry is
-# actual_bs; row 1 + i is [slot, committed_len, window ids (N), block table of each group ...].
-_FIXED_COLUMNS = 2
+# actual_bs; row 1 + i is [slot, committed_len, token_from_row + 1 (0: none), window ids (N),
+# block table of each group ...].
+_FIXED_COLUMNS = 3
 
 
 @jax.tree_util.register_dataclass
@@ -79,20 +80,28 @@ class DecodeRow:
       committed_len: T, tokens already in the cache.
       window_ids: N token ids: the last verified token, then drafts.
       block_tables: {group: block ids} covering positions [0, T + N).
+      token_from_row: the row of the previous decode step whose sampled token is this row's
+        window column 0, read on the device (the host has not seen it yet: the step was
+        dispatched before the previous one's tokens were copied back); window_ids[0] is then
+        a placeholder. Only with N = 1, whose committed_len the host knows.
     """
 
     slot: int
     committed_len: int
     window_ids: tuple[int, ...]
     block_tables: dict
+    token_from_row: int | None = None
 
 
 def packed_width(router: CacheGroupRouter, window: int) -> int:
     return _FIXED_COLUMNS + window + sum(g.max_blocks for g in router.groups)
 
 
-def pack_decode_batch(rows: list[DecodeRow], *, bs: int, router: CacheGroupRouter, window: int, vocab_size: int) -> np.ndarray:
+def pack_decode_batch(rows: list[DecodeRow], *, bs: int, router: CacheGroupRouter, window: int, vocab_size: int,
+                      max_rows: int | None = None) -> np.ndarray:
     """Validates a decode batch (F1) and packs it into one int32 [1 + bs, packed_width] upload.
+
+    max_rows: rows of the decode buffers, the bound of token_from_row (default bs).
 
     Row 0 is the header (actual_bs = len(rows)); rows [1 + len(rows), 1 + bs) are padding.
 
@@ -103,6 +112,7 @@ def pack_decode_batch(rows: list[DecodeRow], *, bs: int, router: CacheGroupRoute
     """
     if len(rows) > bs:
         raise ValueError(f"{len(rows)} rows do not fit bs={bs}")
+    max_rows = bs if max_rows is None else max_rows
     slots = [r.slot for r in rows]
     if len(set(slots)) != len(slots):
         raise ValueError(f"duplicate request slots in batch: {sorted(slots)}")
@@ -118,8 +128,11 @@ def pack_decode_batch(rows: list[DecodeRow], *, bs: int, router: CacheGroupRoute
         bad = [t for t in r.window_ids if not 0 <= t < vocab_size]
         if bad:
             raise ValueError(f"row {i} (slot {r.slot}): token ids {bad} outside the vocabulary of {vocab_size}")
+        if r.token_from_row is not None and (window != 1 or not 0 <= r.token_from_row < max_rows):
+            raise ValueError(f"row {i} (slot {r.slot}): token_from_row={r.token_from_row} needs N=1 (N={window}) and a row in [0, {max_rows})")
     out[:, 0], out[:, 1] = slots, [r.committed_len for r in rows]
-    out[:, 2 : 2 + window] = [r.window_ids for r in rows]
+    out[:, 2] = [0 if r.token_from_row is None else r.token_from_row + 1 for r in rows]
+    out[:, _FIXED_COLUMNS : _FIXED_COLUMNS + window] = [r.window_ids for r in rows]
     end_pos = out[:, 1].astype(np.int64) + window
     col = _FIXED_COLUMNS + window
     for g in router.groups:  # every row's blocks at once: the host cost of a step at large batch
@@ -163,7 +176,11 @@ def refresh_decode_metadata(
     live_col = live[:, None]
     committed = jnp.where(live, batch[:, 1], 0)
     positions = committed[:, None] + jnp.arange(N, dtype=jnp.int32)[None, :]
-    window_ids = jnp.where(live_col, batch[:, 2 : 2 + N], 0)
+    window_ids = jnp.where(live_col, batch[:, _FIXED_COLUMNS : _FIXED_COLUMNS + N], 0)
+    # A row whose token the previous step sampled reads it from that step's output, still here.
+    from_row = batch[:, 2] - 1
+    on_device = buffers.sampled[jnp.clip(from_row, 0, buffers.sampled.shape[0] - 1), 0]
+    window_ids = window_ids.at[:, 0].set(jnp.where(live & (from_row >= 0), on_device, window_ids[:, 0]))
     block_tables, col = {}, _FIXED_COLUMNS + N
     for g in router.groups:
         block_tables[g.name] = batch[:, col : col + g.max_blocks]

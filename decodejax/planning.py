@@ -31,12 +31,14 @@ def _xp(x):
     return jnp
 
 
-def balanced_split_bounds(lengths, num_splits: int):
+def balanced_split_bounds(lengths, num_splits: int, active=None):
     """Balanced quotient/remainder bounds: split s of request b gets q_b + [s < r_b] tokens.
 
     Args:
       lengths: i32[B], T_b.
-      num_splits: S >= 1.
+      num_splits: S >= 1 slots per request.
+      active: i32[B], the splits request b uses (1..S; default S): T_b is balanced over its
+        first active_b slots and the rest are EMPTY (start == end == T_b).
 
     Returns:
       (start, end), each i32[B, S].
@@ -46,10 +48,25 @@ def balanced_split_bounds(lengths, num_splits: int):
     xp = _xp(lengths)
     t = xp.asarray(lengths).astype(xp.int32)[:, None]
     s = xp.arange(num_splits, dtype=xp.int32)[None, :]
-    q, r = t // num_splits, t % num_splits
-    start = s * q + xp.minimum(s, r)
-    end = start + q + (s < r).astype(xp.int32)
+    n = num_splits if active is None else xp.clip(xp.asarray(active).astype(xp.int32), 1, num_splits)[:, None]
+    q, r = t // n, t % n
+    used = s < n
+    start = xp.where(used, s * q + xp.minimum(s, r), t)
+    end = xp.where(used, start + q + (s < r).astype(xp.int32), t)
     return start, end
+
+
+def adaptive_split_counts(blocks, num_splits: int, target_splits: int):
+    """Splits per request so the batch has about `target_splits` in all: i32[B] in [1, S].
+
+    Every split gets c = ceil(sum(blocks) / target_splits) blocks (at least one), so request b
+    uses ceil(blocks_b / c) splits, capped at S. A short batch then runs short splits on many
+    SMs, and a long one runs few long splits, whatever the static capacity S allows.
+    """
+    xp = _xp(blocks)
+    blocks = xp.asarray(blocks).astype(xp.int32)
+    chunk = xp.maximum(1, -(-xp.sum(blocks) // max(1, target_splits)))
+    return xp.clip(-(-blocks // chunk), 1, num_splits).astype(xp.int32)
 
 
 def fixed_chunk_bounds(lengths, chunk: int, num_splits: int | None = None):
@@ -88,6 +105,10 @@ class SplitPlan:
       chunk: tokens per split for "fixed_chunk".
       align: "balanced" bounds fall on multiples of `align` tokens (a kernel's block), so
         no block is shared by two splits; the last split ends at T_b.
+      target_splits: "balanced" only: when set, request b uses
+        `adaptive_split_counts(blocks, num_splits, target_splits)[b]` of its num_splits slots
+        (the rest EMPTY), so the split count follows the batch's actual lengths, not the
+        static maximum the shapes allow. Bounds then depend on the whole batch.
     """
 
     num_splits: int
@@ -95,6 +116,7 @@ class SplitPlan:
     policy: str = "balanced"
     chunk: int | None = None
     align: int = 1
+    target_splits: int | None = None
 
     def __post_init__(self):
         if self.policy not in ("balanced", "fixed_chunk"):
@@ -109,6 +131,8 @@ class SplitPlan:
             raise ValueError(f"chunk must be >= 1, got {self.chunk}")
         if self.align < 1:
             raise ValueError(f"align must be >= 1, got {self.align}")
+        if self.target_splits is not None and (self.policy != "balanced" or self.target_splits < 1):
+            raise ValueError(f"target_splits={self.target_splits} needs policy 'balanced' and a value >= 1")
 
     def bounds(self, lengths):
         """(start, end), each i32[B, capacity]; EMPTY slots have start == end."""
@@ -124,7 +148,8 @@ class SplitPlan:
         xp = _xp(lengths)
         t = xp.asarray(lengths).astype(xp.int32)
         blocks = -(-t // self.align)
-        start, end = balanced_split_bounds(blocks, self.num_splits)
+        active = None if self.target_splits is None else adaptive_split_counts(blocks, self.num_splits, self.target_splits)
+        start, end = balanced_split_bounds(blocks, self.num_splits, active)
         start = xp.minimum(start * self.align, t[:, None])
         end = xp.minimum(end * self.align, t[:, None])
         pad = self.capacity - self.num_splits
@@ -194,21 +219,27 @@ def decode_num_splits(
     num_sms: int,
     *,
     programs_per_sm: int = 4,
-    min_split_tokens: int = 1024,
+    min_split_tokens: int = 128,
     max_splits: int = 64,
 ) -> int:
-    """Split count for the paged decode kernel: enough programs to keep every SM busy.
+    """Split capacity S of the paged decode kernel: the slots per request its grid has.
 
-    The largest power of two S with batch * kv_heads * S <= programs_per_sm * num_sms, but
-    no split shorter than `min_split_tokens` (the per-split merge and pipeline start-up then
-    cost more than they hide) and at most `max_splits`. Measured on the H200 split sweep
-    (benchmarks/README.md): it picks the fastest S at every listed shape, where the
-    FlashAttention wave heuristic (`choose_num_splits`) picked 15 at B = 1 and 2 at B = 8.
+    The largest power of two S with batch * kv_heads * S <= programs_per_sm * num_sms, at most
+    max_len / min_split_tokens (a kernel block) and `max_splits`. How many of the S slots a
+    request uses is decided per call from the actual lengths (`decode_target_splits`): max_len
+    is a static bound (a runtime's table width), often far above the lengths it serves.
     """
     target = max(1, programs_per_sm * num_sms // max(1, batch * kv_heads))
     by_occupancy = 1 << (target.bit_length() - 1)
     by_length = max(1, max_len // min_split_tokens)
     return max(1, min(by_occupancy, 1 << (by_length.bit_length() - 1), max_splits))
+
+
+def decode_target_splits(kv_heads: int, num_sms: int, *, programs_per_sm: int = 2) -> int:
+    """Splits a decode batch should have in all (summed over requests): about `programs_per_sm`
+    programs per SM. Two per SM was fastest or within 3% of it on the H200 split sweep
+    (benchmarks/README.md: S = 4 at B = 8, T = 8192; S = 32 at B = 1, T = 32768, 3% behind 64)."""
+    return max(1, programs_per_sm * num_sms // kv_heads)
 
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "uint8": 1, "int32": 4}

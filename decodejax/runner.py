@@ -141,6 +141,14 @@ class GraphGuard:
 
 
 @dataclasses.dataclass(frozen=True)
+class PendingStep:
+    """A dispatched decode step: its live rows and its (device) output i32[bs, N + 1]."""
+
+    actual_bs: int
+    sampled: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
 class RunnerConfig:
     """Static runner settings.
 
@@ -174,7 +182,8 @@ class RunnerConfig:
 
 
 def decode_step(param_leaves, pool, buffers, sampling, packed, *, bs, router, layer_leaves, model_forward, param_tree):
-    """The hot step: refresh -> forward -> sample. Returns (pool, buffers), both donated.
+    """The hot step: refresh -> forward -> sample. Returns (pool, buffers, sampled i32[bs, N + 1]);
+    pool and buffers are donated.
 
     `packed` (i32[1 + bs, width], see pack_decode_batch) is the step's one host upload. The
     parameters come as their flat leaves (`param_tree` rebuilds them): flattening a Flax NNX
@@ -187,7 +196,9 @@ def decode_step(param_leaves, pool, buffers, sampling, packed, *, bs, router, la
     logits, pool = model_forward(params, pool, ctx)
     tokens, accept = sample_window(logits, ctx.window_ids, ctx.positions, ctx.slots, sampling)
     sampled = jnp.concatenate([tokens, accept[:, None]], axis=1)
-    return pool, dataclasses.replace(buffers, sampled=buffers.sampled.at[:bs].set(sampled))
+    # `sampled` also leaves as its own array: the host copies it back while the next step,
+    # which donates the buffers, is already running.
+    return pool, dataclasses.replace(buffers, sampled=buffers.sampled.at[:bs].set(sampled)), sampled
 
 
 _donating_step = jax.jit(decode_step, static_argnames=("bs", "router", "layer_leaves", "model_forward", "param_tree"), donate_argnums=(1, 2))
@@ -262,7 +273,7 @@ class DecodeRunner:
             t0 = time.perf_counter()
             try:
                 self._executables[bs] = self._compile(bs)
-                self.pool, self.buffers = self._executables[bs](self.param_leaves, self.pool, self.buffers, self.sampling, self._placeholder[: 1 + bs])
+                self.pool, self.buffers, _ = self._executables[bs](self.param_leaves, self.pool, self.buffers, self.sampling, self._placeholder[: 1 + bs])
                 jax.block_until_ready(self.buffers)
             except Exception as exc:
                 raise CaptureError(f"capturing bucket bs={bs} failed: {exc!r}") from exc
@@ -308,23 +319,29 @@ class DecodeRunner:
     def set_sampling(self, slot: int, params: SamplingParams) -> None:
         self.sampling = self.sampling.set(slot, params)
 
-    def submit(self, rows: list[DecodeRow]) -> int:
-        """Validates and packs the batch, then dispatches one step (asynchronously); returns actual_bs."""
+    def submit(self, rows: list[DecodeRow]) -> "PendingStep":
+        """Validates and packs the batch, then dispatches one step (asynchronously).
+
+        Returns the step's pending output; its device-to-host copy starts as soon as the step ends.
+        """
         actual = len(rows)
         if actual == 0:
             raise ValueError("a decode step needs at least one row")
         bs = self.bucket_for(actual)
-        packed = pack_decode_batch(rows, bs=bs, router=self.router, window=self.config.window, vocab_size=self.vocab_size)
+        packed = pack_decode_batch(rows, bs=bs, router=self.router, window=self.config.window, vocab_size=self.vocab_size,
+                                   max_rows=self.config.max_decode_bs)
         if self.config.enforce_eager:
-            self.pool, self.buffers = decode_step(self.param_leaves, self.pool, self.buffers, self.sampling, jnp.asarray(packed), **self._statics(bs))
+            self.pool, self.buffers, sampled = decode_step(self.param_leaves, self.pool, self.buffers, self.sampling, jnp.asarray(packed), **self._statics(bs))
         else:
-            self.pool, self.buffers = self.executable(bs)(self.param_leaves, self.pool, self.buffers, self.sampling, packed)
+            self.pool, self.buffers, sampled = self.executable(bs)(self.param_leaves, self.pool, self.buffers, self.sampling, packed)
             self.guard.check({"pool": self.pool, "buffers": self.buffers})
-        return actual
+        sampled.copy_to_host_async()
+        return PendingStep(actual, sampled)
 
-    def fetch(self, actual_bs: int) -> np.ndarray:
-        """The step's i32[actual_bs, N + 1] (tokens, then accept_len): one device-to-host copy."""
-        return np.asarray(self.buffers.sampled)[:actual_bs]
+    @staticmethod
+    def fetch(pending: "PendingStep") -> np.ndarray:
+        """The step's i32[actual_bs, N + 1] (tokens, then accept_len); waits for the step."""
+        return np.asarray(pending.sampled)[: pending.actual_bs]
 
     def step(self, rows: list[DecodeRow]) -> np.ndarray:
         """Runs one decode step; returns i32[len(rows), N + 1] (tokens, then accept_len)."""

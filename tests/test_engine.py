@@ -105,3 +105,49 @@ def test_eos_finishes_a_request_unless_ignore_eos(model, reference_outputs):
     stopped, ignored = engine.generate(["hello", "hello"], [GREEDY, dataclasses.replace(GREEDY, ignore_eos=True)])
     assert stopped.token_ids == greedy[: greedy.index(eos) + 1] and stopped.finish_reason == "stop"
     assert ignored.token_ids == greedy and ignored.finish_reason == "length"
+
+
+MIXED = [GREEDY, SamplingParams(temperature=1.0, seed=3, max_new_tokens=12), SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_new_tokens=7),
+         dataclasses.replace(GREEDY, max_new_tokens=1)]
+
+
+@pytest.mark.parametrize("pages", [None, 6], ids=["roomy", "preempting"])
+def test_overlapped_decode_gives_the_tokens_of_step_by_step_decode(model, pages):
+    """With one step in flight, continuing rows read their token on the device and finished
+    requests' rows are dropped; tokens, finish reasons and free pages must match the engine
+    that reads every step's tokens before dispatching the next."""
+    outs, preempted = {}, {}
+    for overlap in (False, True):
+        engine = Engine(model, EngineConfig(max_batch=4, max_context=128, prefill_token_budget=16, num_pages=pages, overlap_decode=overlap))
+        count, preempt = [0], engine._preempt
+        engine._preempt = lambda req: (count.__setitem__(0, count[0] + 1), preempt(req))  # noqa: B023
+        start = engine.allocator.num_free
+        stop = SamplingParams(temperature=0.0, max_new_tokens=10, stop_token_ids=(12,))
+        results = engine.generate(PROMPTS, MIXED) + engine.generate(PROMPTS[:2], [stop, GREEDY])
+        outs[overlap] = [(r.token_ids, r.finish_reason) for r in results]
+        preempted[overlap] = count[0]
+        assert engine.allocator.num_free == start and sorted(engine.free_slots) == list(range(4))
+    assert outs[True] == outs[False]
+    assert (preempted[True] > 0) == (pages is not None)  # the tight pool does preempt
+
+
+def test_abort_with_a_step_in_flight_drops_its_row_and_the_rest_go_on(model, reference_outputs):
+    engine = Engine(model, EngineConfig(max_batch=2, max_context=128))
+    start = engine.allocator.num_free
+    doomed = engine.add_request(PROMPTS[1], SamplingParams(temperature=0.0, max_new_tokens=50))
+    kept = engine.add_request(PROMPTS[0], GREEDY)
+    for _ in range(3):
+        engine.step()
+    assert engine._in_flight is not None  # the next step is already dispatched
+    engine.abort(doomed)
+    while kept not in engine.finished:
+        engine.step()
+    assert engine.finished[kept].generated == reference_outputs[PROMPTS[0]]
+    assert engine.finished[doomed].finish_reason == "abort" and engine.allocator.num_free == start
+
+
+def test_a_request_larger_than_the_whole_pool_is_refused_not_left_waiting(model):
+    engine = Engine(model, EngineConfig(max_batch=2, max_context=128, num_pages=3))  # 2 usable pages of 16
+    with pytest.raises(RequestError, match="needs 3 pages; the pool has 2"):
+        engine.add_request(list(range(30)), SamplingParams(max_new_tokens=3))
+    assert not engine.waiting

@@ -124,9 +124,39 @@ def test_P1_block_aligned_plan_covers_exactly(lengths, splits, align):
     assert np.all(inner % align == 0)
 
 
-def test_decode_num_splits_matches_the_h200_sweep_optima():
-    """The fastest S of the committed H200 split sweep at each target shape (H_kv = 8, 132 SMs)."""
-    for (batch, max_len), best in {(1, 32768): 32, (8, 8192): 8, (32, 4096): 2, (64, 2048): 1, (128, 1024): 1}.items():
-        assert planning.decode_num_splits(batch, 8, max_len, 132) == best
-    assert planning.decode_num_splits(1, 8, 100, 132) == 1  # never a split under 1024 tokens
+def test_auto_split_counts_match_the_h200_sweep_optima():
+    """The splits per request the auto plan uses at each target shape (H_kv = 8, 132 SMs, block
+    128): the fastest S of the committed H200 split sweep, except B = 1 (32 is 3% behind 64)."""
+    target = planning.decode_target_splits(8, 132)
+    for (batch, length), best in {(1, 32768): 32, (8, 8192): 4, (32, 4096): 1, (64, 2048): 1, (128, 1024): 1}.items():
+        capacity = planning.decode_num_splits(batch, 8, length, 132, min_split_tokens=128)
+        start, end = SplitPlan(capacity, capacity, align=128, target_splits=target).bounds(np.full(batch, length))
+        assert np.all((end > start).sum(1) == best), (batch, length)
+    assert planning.decode_num_splits(1, 8, 100, 132, min_split_tokens=128) == 1  # never a split under a block
     assert planning.decode_num_splits(1, 1, 10**6, 132) == 64  # capped
+
+
+def test_adaptive_splits_follow_the_lengths_not_the_static_bound():
+    """A runtime's table width bounds lengths statically; a short batch still gets its splits."""
+    plan = SplitPlan(64, 64, align=128, target_splits=planning.decode_target_splits(8, 132))
+    start, end = plan.bounds(np.array([2048]))  # a 2,048-token request under a 32k-token bound
+    assert (end > start).sum() == 16  # one 128-token block each: 128 programs over 8 heads
+    start, end = plan.bounds(np.array([0, 5, 4000, 300]))  # mixed: every active split non-empty
+    assert_exact_cover([0, 5, 4000, 300], start, end)
+
+
+@given(lengths=st.lists(st.integers(0, 20000), min_size=1, max_size=8), splits=st.integers(1, 64),
+       target=st.integers(1, 300), align=st.sampled_from([1, 16, 128]))
+@settings(max_examples=60, deadline=None)
+def test_P1_adaptive_plan_covers_exactly_and_never_exceeds_its_slots(lengths, splits, target, align):
+    lengths = np.array(lengths)
+    start, end = SplitPlan(splits, splits, align=align, target_splits=target).bounds(lengths)
+    assert_exact_cover(lengths, start, end)
+    active = (end > start).sum(1)
+    blocks = -(-lengths // align)
+    assert np.all(active <= np.minimum(splits, np.maximum(blocks, 1)))
+    # Splits beyond the target appear only because a request needs at least one.
+    assert active.sum() <= max(target, 0) + len(lengths)
+    j_start, j_end = jax.jit(SplitPlan(splits, splits, align=align, target_splits=target).bounds)(jnp.asarray(lengths))
+    np.testing.assert_array_equal(np.asarray(j_start), start)
+    np.testing.assert_array_equal(np.asarray(j_end), end)

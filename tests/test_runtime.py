@@ -18,6 +18,7 @@ from decodejax.metadata import (
     ForwardContext,
     build_extend_metadata,
     pack_decode_batch,
+    packed_width,
     refresh_decode_metadata_jit,
 )
 from decodejax.runner import (
@@ -190,6 +191,7 @@ BAD_BATCHES = [
     (r"blocks \[0\] do not cover", [DecodeRow(1, 2, (1,), {"main": [0]})]),
     (r"no block table for group", [DecodeRow(1, 2, (1,), {})]),
     ("window has 2 ids, expected N=1", [DecodeRow(1, 2, (1, 2), {"main": [1]})]),
+    (r"token_from_row=4 needs N=1 \(N=1\) and a row in \[0, 4\)", [DecodeRow(1, 2, (0,), {"main": [1]}, token_from_row=4)]),
 ]
 
 
@@ -197,6 +199,23 @@ BAD_BATCHES = [
 def test_F1_bad_batches_are_rejected_before_any_write(match, rows):
     with pytest.raises(ValueError, match=match):
         pack_decode_batch(rows, bs=4, router=ROUTER, window=1, vocab_size=CFG.vocab_size)
+
+
+def test_a_row_reading_its_token_on_the_device_matches_the_host_upload(rng):
+    """token_from_row: the next step takes the token the previous step sampled in that row, with
+    no host round trip; the result equals uploading that token from the host."""
+    rows = random_rows(rng, 3)
+    tokens = []
+    for on_device in (False, True):
+        runner = make_runner()
+        first = runner.fetch(runner.submit(rows))[:, 0]
+        nxt = [DecodeRow(r.slot, r.committed_len + 1, (0 if on_device else int(first[j]),), r.block_tables,
+                         token_from_row=j if on_device else None) for j, r in enumerate(rows)][::-1]  # rows move
+        nxt = [dataclasses.replace(r, block_tables={"main": r.block_tables["main"] + [NUM_BLOCKS - 1 - i]}) for i, r in enumerate(nxt)]
+        pending = runner.submit(nxt)
+        tokens.append(runner.fetch(pending)[:, 0])
+        np.testing.assert_array_equal(np.asarray(runner.buffers.window_ids[:3, 0]), first[::-1])
+    np.testing.assert_array_equal(tokens[0], tokens[1])
 
 
 def _live_fields(buffers, n, N=1):
@@ -231,7 +250,7 @@ def test_R1_eager_and_padded_replay_refresh_agree_on_live_rows():
 
 def test_R1_capture_refresh_over_placeholder_tables():
     buffers = DecodeBuffers.create(ROUTER, 8, 1)
-    buffers = refresh_decode_metadata_jit(buffers, np.zeros((9, 3 + MAX_BLOCKS), np.int32), bs=8, router=ROUTER)  # header: actual_bs 0
+    buffers = refresh_decode_metadata_jit(buffers, np.zeros((9, packed_width(ROUTER, 1)), np.int32), bs=8, router=ROUTER)  # header: actual_bs 0
     assert not np.asarray(buffers.page_tables["full"]).any() and not np.asarray(buffers.seq_lens).any()
     assert np.all(np.asarray(buffers.write_slots["full"]) < P)
 
