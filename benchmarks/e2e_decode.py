@@ -101,7 +101,7 @@ def seat_prefilled(engine, batch: int, context: int, max_new_tokens: int, rng) -
 
 def measure(engine, batch: int, context: int, steps: int, warmup: int, rng, profile_steps: int = 0) -> dict:
     free_before = engine.allocator.num_free
-    seated = seat_prefilled(engine, batch, context, warmup + steps + profile_steps + 2, rng)  # running after the last step
+    seated = seat_prefilled(engine, batch, context, warmup + steps + profile_steps + 3, rng)  # running after the last step and the drain
     for _ in range(warmup):
         engine.step()
     times = []
@@ -268,7 +268,7 @@ def measure_all(args, batches: list[int], contexts: list[int]) -> dict:
 
     from models import llama
 
-    page, extra = 16, args.warmup + args.steps + args.profile_steps + 2
+    page, extra = 16, args.warmup + args.steps + args.profile_steps + 3
     t0 = time.perf_counter()
     model = llama.random(args.model, dtype=jnp.dtype(args.dtype))
     build_s = time.perf_counter() - t0

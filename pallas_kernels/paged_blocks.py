@@ -29,7 +29,9 @@ def load_kv_block(k_ref, v_ref, table_ref, cache_row, t, live, kv_head, lanes, *
 def online_softmax_step(carry, q, k, v, seen, *, sm_scale: float, soft_cap: float | None):
     """Folds one key block into carry = (m [R] base-2 max, l [R] sum, acc [R, D]); seen: bool[R, block_k]."""
     m, l, acc = carry
-    scores = plgpu.dot(q, k, trans_b=True) * sm_scale  # [R, block_k] f32
+    # float32 K/V are for accuracy, not speed: Triton would round their dots to TF32 (~1e-3).
+    exact = k.dtype == jnp.float32
+    scores = plgpu.dot(q, k, trans_b=True, allow_tf32=not exact) * sm_scale  # [R, block_k] f32
     if soft_cap is not None:
         scores = soft_cap * jnp.tanh(scores / soft_cap)
     scores = jnp.where(seen, scores * LOG2_E, -jnp.inf)
@@ -37,7 +39,7 @@ def online_softmax_step(carry, q, k, v, seen, *, sm_scale: float, soft_cap: floa
     m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # EMPTY so far: no -inf - -inf
     p = jnp.exp2(scores - m_safe[:, None])
     scale = jnp.exp2(m - m_safe)
-    acc = acc * scale[:, None] + plgpu.dot(p.astype(v.dtype), v)
+    acc = acc * scale[:, None] + plgpu.dot(p.astype(v.dtype), v, allow_tf32=not exact)
     return m_new, l * scale + jnp.sum(p, axis=1), acc
 
 

@@ -1,5 +1,6 @@
 """Parity with Hugging Face transformers (PyTorch, CPU) on tiny random configs of each family."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -23,6 +24,13 @@ FAMILIES = {
     "qwen2": (transformers.Qwen2ForCausalLM, transformers.Qwen2Config, {}),
     "qwen3": (transformers.Qwen3ForCausalLM, transformers.Qwen3Config, dict(head_dim=16)),
 }
+
+
+@pytest.fixture(autouse=True)
+def _float32_matmuls():
+    """fp32 parity means fp32 matmuls: on a GPU, XLA would otherwise run them in TF32."""
+    with jax.default_matmul_precision("float32"):
+        yield
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
