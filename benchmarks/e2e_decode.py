@@ -101,7 +101,7 @@ def seat_prefilled(engine, batch: int, context: int, max_new_tokens: int, rng) -
 
 def measure(engine, batch: int, context: int, steps: int, warmup: int, rng, profile_steps: int = 0) -> dict:
     free_before = engine.allocator.num_free
-    seated = seat_prefilled(engine, batch, context, warmup + steps + profile_steps + 3, rng)  # running after the last step and the drain
+    seated = seat_prefilled(engine, batch, context, warmup + steps + profile_steps + 4, rng)  # running after the last step and both drains
     for _ in range(warmup):
         engine.step()
     times = []
@@ -156,18 +156,26 @@ def replay_step_ms(engine, seated, samples: int = 10, reps: int = 10) -> list[fl
 
 
 def profile_engine_steps(engine, steps: int) -> dict:
-    """GPU time per step by kernel (benchmarks.profile_summary) over `steps` traced engine steps."""
+    """GPU time per decode step by kernel (benchmarks.profile_summary) over `steps` traced engine steps.
+
+    The engine is drained before and inside the trace, so the window holds exactly the steps
+    dispatched in it: with overlap_decode, `steps` engine steps dispatch steps + 1 (the first
+    also dispatches the step it reads), and the figures are per dispatched step.
+    """
     import jax
 
     from benchmarks.profile_summary import device_activity
 
+    engine.drain()
     trace_dir = tempfile.mkdtemp(prefix="decodejax_e2e_trace_")
     t = time.perf_counter()
     with jax.profiler.trace(trace_dir):
         for _ in range(steps):
             engine.step()
-    summary = device_activity(trace_dir, steps, top=30)
-    summary["wall_ms_per_step_traced"] = (time.perf_counter() - t) * 1e3 / steps
+        engine.drain()
+    dispatched = steps + 1 if engine.config.overlap_decode else steps
+    summary = device_activity(trace_dir, dispatched)
+    summary["wall_ms_per_step_traced"] = (time.perf_counter() - t) * 1e3 / dispatched
     return summary
 
 
@@ -268,7 +276,7 @@ def measure_all(args, batches: list[int], contexts: list[int]) -> dict:
 
     from models import llama
 
-    page, extra = 16, args.warmup + args.steps + args.profile_steps + 3
+    page, extra = 16, args.warmup + args.steps + args.profile_steps + 4
     t0 = time.perf_counter()
     model = llama.random(args.model, dtype=jnp.dtype(args.dtype))
     build_s = time.perf_counter() - t0

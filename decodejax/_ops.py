@@ -95,7 +95,7 @@ def _validate_paged_args(q, k_pages, v_pages, page_table, seq_lens, cache_batch_
 
 
 def decode_plan(
-    batch: int, kv_heads: int, max_len: int, block_k: int, *, num_splits: int | None, deterministic: bool
+    batch: int, kv_heads: int, max_len: int, block_k: int, *, num_splits: int | None, deterministic: bool, head_dim: int = 128
 ) -> planning.SplitPlan:
     """The split plan of one decode call: static (shapes only); its bounds follow the lengths."""
     if deterministic:
@@ -104,8 +104,11 @@ def decode_plan(
         capacity = max(1, -(-max_len // DETERMINISTIC_CHUNK))
         return planning.SplitPlan(1, capacity, policy="fixed_chunk", chunk=DETERMINISTIC_CHUNK)
     if num_splits is None:  # auto: the slots the shapes allow, used as the lengths need
-        capacity = planning.decode_num_splits(batch, kv_heads, max_len, _num_sms(), min_split_tokens=block_k)
-        return planning.SplitPlan(capacity, capacity, align=block_k, target_splits=planning.decode_target_splits(kv_heads, _num_sms()))
+        target = planning.decode_target_splits(kv_heads, _num_sms(), head_dim)
+        # No request can use more than `target` splits: slots beyond it would only hold EMPTY.
+        capacity = min(planning.decode_num_splits(batch, kv_heads, max_len, _num_sms(), min_split_tokens=block_k),
+                       1 << (target.bit_length() - 1))
+        return planning.SplitPlan(capacity, capacity, align=block_k, target_splits=target if capacity > 1 else None)
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     return planning.SplitPlan(num_splits, num_splits, align=block_k)
@@ -205,7 +208,7 @@ def _attention_pallas(q, k_pages, v_pages, page_table, seq_lens, *, layout, cach
     B, H_q, D = q.shape
     _, P, H_kv, _ = addressing.pool_geometry(k_pages, layout)
     config = kernel.default_config(D) if config is None else config
-    plan = decode_plan(B, H_kv, page_table.shape[1] * P, config.block_k, num_splits=num_splits, deterministic=deterministic)
+    plan = decode_plan(B, H_kv, page_table.shape[1] * P, config.block_k, num_splits=num_splits, deterministic=deterministic, head_dim=D)
     start, end = plan.bounds(seq_lens.astype(jnp.int32))
     rows = jnp.arange(B, dtype=jnp.int32) if cache_batch_idx is None else cache_batch_idx.astype(jnp.int32)
     part_o, part_lse = kernel.paged_decode_partials(

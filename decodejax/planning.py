@@ -235,11 +235,16 @@ def decode_num_splits(
     return max(1, min(by_occupancy, 1 << (by_length.bit_length() - 1), max_splits))
 
 
-def decode_target_splits(kv_heads: int, num_sms: int, *, programs_per_sm: int = 2) -> int:
-    """Splits a decode batch should have in all (summed over requests): about `programs_per_sm`
-    programs per SM. Two per SM was fastest or within 3% of it on the H200 split sweep
-    (benchmarks/README.md: S = 4 at B = 8, T = 8192; S = 32 at B = 1, T = 32768, 3% behind 64)."""
-    return max(1, programs_per_sm * num_sms // kv_heads)
+def decode_target_splits(kv_heads: int, num_sms: int, head_dim: int = 128) -> int:
+    """Splits a decode batch should have in all (summed over requests), per K/V head.
+
+    About two programs per SM at head_dim 128, scaled by 128 / head_dim so a program streams
+    about the same bytes per block whatever D. On the H200: S = 4 was fastest at B = 8,
+    T = 8192 (D = 128); one split was fastest at B = 32, T = 4096 (D = 128), where two
+    splits were fastest at D = 64 (benchmarks/README.md).
+    """
+    programs = max(1, 2 * num_sms * 128 // head_dim)
+    return max(1, programs // kv_heads)
 
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "uint8": 1, "int32": 4}

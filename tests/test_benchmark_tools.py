@@ -45,7 +45,8 @@ def test_e2e_benchmark_runs_end_to_end_on_the_tiny_model(tmp_path):
 
     out = tmp_path / "e2e.json"
     e2e_decode.main(["--model", "tiny", "--batch", "1,2", "--context", "16", "--steps", "2", "--warmup", "1", "--dtype", "float32",
-                     "--out", str(out)])
+                     "--profile-steps", "1", "--out", str(out)])
     rows = json.loads(out.read_text())["rows"]
     assert [(r["batch"], r["context"]) for r in rows] == [(1, 16), (2, 16)]
     assert all(len(r["step_ms_samples"]) == 2 and len(r["replay_ms_samples"]) == 10 and r["roofline_ms"] > 0 for r in rows)
+    assert all(r["profile"]["steps"] == 2 for r in rows)  # one traced engine step dispatches two with overlap
