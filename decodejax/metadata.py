@@ -168,7 +168,9 @@ def refresh_decode_metadata(
 
     Run under jit with `buffers` donated, XLA updates them in place. actual_bs is the header's
     first entry (0 for capture over placeholder tables); rows >= actual_bs are padding
-    (page 0, seq_len 0, window ids 0, write slots inside page 0).
+    (page 0, seq_len 0, window ids 0, write slots inside page 0). A row with a token_from_row
+    takes window column 0 from `buffers.sampled` of the step before, before this step
+    overwrites it.
     """
     N = buffers.window
     actual_bs, batch = packed[0, 0], packed[1:]

@@ -10,7 +10,8 @@
 | above the ladder             | the same step compiled at its exact size on first use, cached |
 
 One step is: refresh_decode_metadata -> model forward -> sample_window; tokens and accept
-lengths land in `buffers.sampled`, which reaches the host in one copy.
+lengths land in `buffers.sampled` (where the next step can read them on the device) and leave
+as the step's own small output, which reaches the host in one copy (`submit` -> `fetch`).
 """
 
 from __future__ import annotations
