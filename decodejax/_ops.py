@@ -104,9 +104,10 @@ def decode_plan(
         capacity = max(1, -(-max_len // DETERMINISTIC_CHUNK))
         return planning.SplitPlan(1, capacity, policy="fixed_chunk", chunk=DETERMINISTIC_CHUNK)
     if num_splits is None:  # auto: the slots the shapes allow, used as the lengths need
-        target = planning.decode_target_splits(kv_heads, _num_sms(), head_dim)
+        sms = _num_sms()
+        target = planning.decode_target_splits(kv_heads, sms, head_dim)
         # No request can use more than `target` splits: slots beyond it would only hold EMPTY.
-        capacity = min(planning.decode_num_splits(batch, kv_heads, max_len, _num_sms(), min_split_tokens=block_k),
+        capacity = min(planning.decode_num_splits(batch, kv_heads, max_len, sms, min_split_tokens=block_k),
                        1 << (target.bit_length() - 1))
         return planning.SplitPlan(capacity, capacity, align=block_k, target_splits=target if capacity > 1 else None)
     if num_splits < 1:

@@ -140,9 +140,11 @@ class Result:
     finish_reason: str
 
 
-def _prefill_forward(forward, state, pool, ctx, last_rows, positions, slots, sampling):
-    """Extend forward, then a first token sampled at each request's last row (fixed [max_batch] shapes)."""
-    logits, pool = forward(state, pool, ctx)
+def _prefill_forward(forward, param_tree, param_leaves, pool, ctx, last_rows, positions, slots, sampling):
+    """Extend forward, then a first token sampled at each request's last row (fixed [max_batch] shapes).
+
+    Takes the runner's flat parameter leaves, as its decode steps do (see runner.decode_step)."""
+    logits, pool = forward(jax.tree.unflatten(param_tree, param_leaves), pool, ctx)
     first = logits[last_rows, 0][:, None, :]
     tokens, _ = sample_window(first, jnp.zeros_like(positions), positions, slots, sampling)
     return tokens[:, 0], pool
@@ -188,7 +190,7 @@ class Engine:
         self.finished: dict[int, Request] = {}
         self._ids = itertools.count()
         self._in_flight: InFlight | None = None
-        self._prefill = jax.jit(functools.partial(_prefill_forward, forward), donate_argnums=(1,))
+        self._prefill = jax.jit(functools.partial(_prefill_forward, forward, self.runner.param_tree), donate_argnums=(1,))
         self.capture_seconds = self.runner.capture(progress=None)
 
     # -- requests ---------------------------------------------------------------------------
@@ -312,7 +314,7 @@ class Engine:
         last_rows[: len(chunks)] = np.cumsum([n for _, n in chunks]) - 1
         positions[: len(chunks), 0] = [r.cached + n - 1 for r, n in chunks]
         slots[: len(chunks)] = [r.slot for r, _ in chunks]
-        tokens, self.runner.pool = self._prefill(self.runner.params, self.runner.pool, ctx, last_rows, positions, slots, self.runner.sampling)
+        tokens, self.runner.pool = self._prefill(self.runner.param_leaves, self.runner.pool, ctx, last_rows, positions, slots, self.runner.sampling)
         tokens = np.asarray(tokens)
         produced = []
         for i, (r, n) in enumerate(chunks):

@@ -222,7 +222,7 @@ class DecodeRunner:
 
     def __init__(self, model_forward: Callable, params, pool: KVPool, router: CacheGroupRouter, layer_leaves, backends, config: RunnerConfig, *, vocab_size: int, max_requests: int):
         self.model_forward, self.pool = model_forward, pool
-        self.param_leaves, self._param_tree = jax.tree.flatten(params)
+        self.param_leaves, self.param_tree = jax.tree.flatten(params)  # the steps take the leaves
         self.router, self.layer_leaves, self.backends, self.config = router, tuple(layer_leaves), list(backends), config
         self.vocab_size = vocab_size
         reasons = [r for node in self.backends for r in node.validate_pool(pool)]
@@ -245,14 +245,9 @@ class DecodeRunner:
         self.selections: dict[int, tuple] = {}  # bucket -> the dispatch selections of its trace
         self._announced: set[int] = set()
 
-    @property
-    def params(self):
-        """The model parameters (rebuilt from the leaves the steps take)."""
-        return jax.tree.unflatten(self._param_tree, self.param_leaves)
-
     # -- start-up ---------------------------------------------------------------------------
     def _statics(self, bs):
-        return dict(bs=bs, router=self.router, layer_leaves=self.layer_leaves, model_forward=self.model_forward, param_tree=self._param_tree)
+        return dict(bs=bs, router=self.router, layer_leaves=self.layer_leaves, model_forward=self.model_forward, param_tree=self.param_tree)
 
     def _compile(self, bs: int):
         """AOT-compiles the step for bs; records the backend selections made while tracing it."""
