@@ -27,6 +27,9 @@ SAMPLES, REPS, WARMUP = 30, 10, 3
 DATASHEET_TBPS = 4.8
 SPLIT_SWEEP = (1, 2, 4, 8, 16, 32, 64)
 BUILTIN_K_SPLITS = (1, 2, 4, 8, 16)
+# (block_k, num_stages, compute_warpgroups) of the Mosaic GPU kernel; one that does not fit a
+# case's shared memory is recorded as an error
+MOSAIC_TUNE = ((64, 4, 2), (64, 6, 2), (64, 8, 2), (64, 12, 2), (64, 3, 1), (64, 5, 1), (128, 3, 1), (128, 2, 2))
 
 
 def time_jax(fn, *args) -> list[float]:
@@ -40,7 +43,7 @@ def summarize(samples, nbytes):
     return {"samples_us": samples, "median_us": med, "min_us": lo, "tbps_median": nbytes / med / 1e6, "tbps_min_time": nbytes / lo / 1e6}
 
 
-def run_case(case, results, sweep: bool, tune: bool = False, ours_only: bool = False):
+def run_case(case, results, sweep: bool, tune: bool = False, ours_only: bool = False, tune_mosaic: bool = False):
     import jax
     import jax.numpy as jnp
     from jax.experimental.pallas.ops.gpu import paged_attention as builtin
@@ -73,8 +76,15 @@ def run_case(case, results, sweep: bool, tune: bool = False, ours_only: bool = F
             entry["variants"][name] = {"error": repr(exc)[:600]}
             print(f"{case.name:24s} {name:34s} ERROR {repr(exc)[:200]}", flush=True)
 
-    ours = lambda **kw: jax.jit(functools.partial(decodejax.decode_attention, backend="pallas_triton", **kw))
+    ours = lambda backend="pallas_triton", **kw: jax.jit(functools.partial(decodejax.decode_attention, backend=backend, **kw))
     record("decodejax/nhd/auto", ours(), q, k, v, table, lens)
+    record("decodejax/mgpu-nhd/auto", ours("pallas_mosaic_gpu"), q, k, v, table, lens)
+    if tune_mosaic:
+        from pallas_kernels.decode_attention_mgpu import MosaicDecodeConfig
+
+        for bk, stages, wgs in MOSAIC_TUNE:
+            cfg = MosaicDecodeConfig(block_k=bk, num_stages=stages, compute_warpgroups=wgs)
+            record(f"decodejax/mgpu-nhd/tune/bk={bk},st={stages},wg={wgs}", ours("pallas_mosaic_gpu", config=cfg), q, k, v, table, lens)
     if ours_only:  # a re-measure of the default path alone (its peers are in an earlier run's file)
         return
     k_hnd, v_hnd = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
@@ -124,7 +134,8 @@ def main(argv=None):
     parser.add_argument("--report", help="only render the markdown table of this JSON")
     parser.add_argument("--cases", default="", help="comma-separated case names (default all)")
     parser.add_argument("--tune", default="", help="comma-separated case names to sweep DecodeConfig on")
-    parser.add_argument("--ours-only", action="store_true", help="time decodejax's default (auto) variant alone")
+    parser.add_argument("--tune-mosaic", default="", help="comma-separated case names to sweep MosaicDecodeConfig on")
+    parser.add_argument("--ours-only", action="store_true", help="time decodejax's default (auto) variants alone")
     args = parser.parse_args(argv)
     if args.report:
         results = json.load(open(args.report))
@@ -150,7 +161,7 @@ def main(argv=None):
     for case in bench_cases.CASES:
         if not wanted or case.name in wanted:
             run_case(case, results, sweep="target" in case.tags and not args.ours_only, tune=case.name in args.tune.split(","),
-                     ours_only=args.ours_only)
+                     ours_only=args.ours_only, tune_mosaic=case.name in args.tune_mosaic.split(","))
             json.dump(results, open(args.out, "w"), indent=1)
     if args.flashinfer:
         fi = json.load(open(args.flashinfer))

@@ -6,6 +6,8 @@ launch, builds its DispatchKey and runs the backend `decodejax.dispatch.select` 
     "pallas_triton"              the Pallas kernels lowered through Triton; NVIDIA GPUs
     "xla"                        the float32 reference (decodejax.reference); every platform
     "pallas_triton_interpret"    the same Pallas kernels in interpret mode; runs on CPU
+    "pallas_mosaic_gpu"          the decode kernel lowered through Mosaic GPU (TMA, wgmma); Hopper
+    "pallas_mosaic_gpu_interpret" that kernel in Mosaic GPU's interpret mode (race checks); CPU
 
 Selection happens at trace time, so under jit it runs once per compiled shape.
 """
@@ -201,10 +203,10 @@ def _attention_xla(q, k_pages, v_pages, page_table, seq_lens, *, layout, cache_b
 
 
 def _attention_pallas(q, k_pages, v_pages, page_table, seq_lens, *, layout, cache_batch_idx, sm_scale, soft_cap, mask,
-                      return_lse, return_partial_states, deterministic, num_splits, config, dense_mask, interpret):
-    from pallas_kernels import decode_attention as kernel
-    from pallas_kernels import merge_states as merge_kernel
+                      return_lse, return_partial_states, deterministic, num_splits, config, dense_mask, interpret, mosaic=False):
+    from pallas_kernels import decode_attention, decode_attention_mgpu
 
+    kernel = decode_attention_mgpu if mosaic else decode_attention
     assert dense_mask is None  # admission rejects dense masks for this backend
     B, H_q, D = q.shape
     _, P, H_kv, _ = addressing.pool_geometry(k_pages, layout)
@@ -219,7 +221,12 @@ def _attention_pallas(q, k_pages, v_pages, page_table, seq_lens, *, layout, cach
     )
     if plan.capacity == 1:
         o, lse = part_o[:, :, 0].astype(q.dtype), part_lse[:, :, 0]
+    elif mosaic:  # the Mosaic path keeps clear of Triton: XLA fuses the (small) merge
+        o, lse = _merge_xla(part_o, part_lse)
+        o = o.astype(q.dtype)
     else:
+        from pallas_kernels import merge_states as merge_kernel
+
         o, lse = merge_kernel.merge_states(part_o, part_lse, out_dtype=q.dtype, interpret=interpret)
     out = (o, lse) if return_lse else (o,)
     if return_partial_states:
@@ -377,6 +384,8 @@ IMPLEMENTATIONS = {
         "merge_states": functools.partial(_merge_pallas, interpret=False),
         "gather_pages": functools.partial(_gather_pallas, interpret=False),
     },
+    "pallas_mosaic_gpu": {"attention": functools.partial(_attention_pallas, interpret=False, mosaic=True)},
+    "pallas_mosaic_gpu_interpret": {"attention": functools.partial(_attention_pallas, interpret=True, mosaic=True)},
     "pallas_triton_interpret": {
         "attention": functools.partial(_attention_pallas, interpret=True),
         "append_attention": functools.partial(_append_pallas, interpret=True),

@@ -200,6 +200,30 @@ def _pallas_decode_reasons(key: DispatchKey, *, need_gpu: bool) -> list[str]:
     return r
 
 
+def _mosaic_decode_reasons(key: DispatchKey, *, need_gpu: bool) -> list[str]:
+    """The Mosaic GPU decode kernel: one query row, paged K/V, wgmma/TMA shapes (its `supports`)."""
+    from pallas_kernels import decode_attention_mgpu as kernel
+
+    r = []
+    if key.phase != "decode" or key.q_len != 1:
+        r.append(f"phase={key.phase}, q_len={key.q_len}: decode (one query row) only")
+    if key.cache_layout not in (KVLayout.PAGED_NHD.value, KVLayout.PAGED_HND.value):
+        r.append(f"cache_layout={key.cache_layout}: paged layouts only")
+    if key.head_dim_qk != key.head_dim_v:
+        r.append(f"d_qk={key.head_dim_qk} != d_v={key.head_dim_v}")
+    if key.q_dtype != key.kv_dtype:
+        r.append(f"q_dtype={key.q_dtype} != kv_dtype={key.kv_dtype}")
+    if key.mask_kind != "causal":
+        r.append(f"mask_kind={key.mask_kind} (causal with window/sinks only)")
+    if not key.last_dim_contiguous:
+        r.append("last dim not contiguous")
+    r += kernel.supports(key.page_size or 0, key.head_dim_v, key.num_q_heads // key.num_kv_heads, key.kv_dtype,
+                         kernel.default_config(key.head_dim_v))
+    if need_gpu and key.compute_capability is not None and float(key.compute_capability) < 9.0:
+        r.append(f"compute capability {key.compute_capability} < 9.0 (wgmma and TMA are Hopper's)")
+    return r
+
+
 def _xla_reasons(key: DispatchKey) -> list[str]:
     if key.mask_kind == "dense_custom" and key.bucket_mode:
         return ["mask_kind=dense_custom cannot be captured in bucket mode (its shape follows the batch)"]
@@ -227,10 +251,14 @@ def _cudnn_reasons(key: DispatchKey) -> list[str]:
 REGISTRY: tuple[Backend, ...] = (
     Backend("pallas_triton", frozenset({"gpu"}), frozenset({"decode", "append"}), frozenset(OPERATIONS), 100,
             lambda k: _pallas_decode_reasons(k, need_gpu=True), package="jax.experimental.pallas.triton"),
+    Backend("pallas_mosaic_gpu", frozenset({"gpu"}), frozenset({"decode"}), frozenset({"attention"}), 90,
+            lambda k: _mosaic_decode_reasons(k, need_gpu=True), package="jax.experimental.pallas.mosaic_gpu"),
     Backend("cudnn", frozenset({"gpu"}), frozenset({"decode", "prefill"}), frozenset({"attention"}), 60, _cudnn_reasons),
     Backend("xla", frozenset({"gpu", "cpu"}), frozenset(PHASES), frozenset(OPERATIONS), 50, _xla_reasons),
     Backend("pallas_triton_interpret", frozenset({"gpu", "cpu"}), frozenset({"decode", "append"}), frozenset(OPERATIONS), 10,
             lambda k: _pallas_decode_reasons(k, need_gpu=False), package="jax.experimental.pallas.triton"),
+    Backend("pallas_mosaic_gpu_interpret", frozenset({"gpu", "cpu"}), frozenset({"decode"}), frozenset({"attention"}), 5,
+            lambda k: _mosaic_decode_reasons(k, need_gpu=False), package="jax.experimental.pallas.mosaic_gpu"),
 )
 
 

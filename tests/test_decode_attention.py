@@ -63,6 +63,13 @@ SPECS = [
     Spec(batch=3, q_heads=8, kv_heads=1, head_dim=64, page_size=128, width=2, remap=True),
     Spec(batch=4, q_heads=6, kv_heads=2, head_dim=128, page_size=7, width=5),
 ]
+# The Mosaic GPU kernel's shapes: pages a multiple of 8, groups up to 8, D 64/128/256.
+MOSAIC_SPECS = [
+    SPECS[0],
+    SPECS[2],
+    Spec(batch=4, q_heads=4, kv_heads=4, head_dim=128, page_size=8, width=20),
+    Spec(batch=3, q_heads=6, kv_heads=2, head_dim=256, page_size=32, width=4, remap=True),
+]
 OPTIONS = [
     {},
     {"soft_cap": 5.0, "window_left": 20, "sinks": 3},
@@ -71,9 +78,13 @@ OPTIONS = [
 
 
 class DecodeAttentionCases:
-    """The shared test body; subclasses set `backend`."""
+    """The shared test body; subclasses set `backend` (and may shrink the problems)."""
 
     backend: str
+    spec = SPECS[0]  # the problem of the layout, poison, rerun and partial-state tests
+    deterministic_spec = Spec(batch=5, q_heads=8, kv_heads=2, head_dim=64, page_size=16, width=160)
+    deterministic_lengths = (2500, 7, 0, 1024, 1025)
+    deterministic_rows = (0, 3, 4)  # rows run again alone
 
     def run(self, args, layout=KVLayout.PAGED_NHD, **options):
         return decodejax.decode_attention(**args, layout=layout, return_lse=True, backend=self.backend, **options)
@@ -81,18 +92,19 @@ class DecodeAttentionCases:
     @pytest.mark.parametrize("spec", SPECS, ids=str)
     @pytest.mark.parametrize("dtype_name", list(DTYPES))
     def test_matches_oracle(self, spec, dtype_name):
+        self.check_oracle(spec, dtype_name, OPTIONS[SPECS.index(spec) % len(OPTIONS)])
+
+    def check_oracle(self, spec, dtype_name, options):
         rng = np.random.default_rng(hash((str(spec), dtype_name)) % 2**32)
         problem = make_problem(spec, rng)
         args = to_device(problem, DTYPES[dtype_name])
-        options = OPTIONS[SPECS.index(spec) % len(OPTIONS)]
         kernel_options = {k: v for k, v in options.items()}
         o, lse = self.run(args, **kernel_options)
         ref_o, ref_lse = oracle(args, KVLayout.PAGED_NHD, **options)
         assert_matches_oracle(o, lse, ref_o, ref_lse, dtype_name, problem["seq_lens"])
 
     def test_hnd_layout_matches_nhd(self):
-        spec = SPECS[0]
-        problem = make_problem(spec, np.random.default_rng(5))
+        problem = make_problem(self.spec, np.random.default_rng(5))
         o_nhd, lse_nhd = self.run(to_device(problem, jnp.bfloat16))
         o_hnd, lse_hnd = self.run(to_device(problem, jnp.bfloat16, KVLayout.PAGED_HND), layout=KVLayout.PAGED_HND)
         np.testing.assert_array_equal(np.asarray(o_nhd, np.float32), np.asarray(o_hnd, np.float32))
@@ -100,8 +112,7 @@ class DecodeAttentionCases:
 
     @pytest.mark.parametrize("poison", [np.inf, -np.inf, 65504.0])
     def test_A2_poison_leaves_output_bit_identical(self, poison):
-        spec = SPECS[0]
-        problem = make_problem(spec, np.random.default_rng(6), poison=0.0)
+        problem = make_problem(self.spec, np.random.default_rng(6), poison=0.0)
         clean = self.run(to_device(problem, jnp.float16))
         dirty = self.run(to_device(with_poison(problem, poison), jnp.float16))
         nan = self.run(to_device(with_poison(problem, np.nan), jnp.float16))
@@ -111,19 +122,18 @@ class DecodeAttentionCases:
         assert not np.any(np.isnan(np.asarray(nan[0], np.float32)))
 
     def test_S2_rerun_is_bitwise_identical(self):
-        problem = make_problem(SPECS[0], np.random.default_rng(7))
+        problem = make_problem(self.spec, np.random.default_rng(7))
         args = to_device(problem, jnp.bfloat16)
         first, second = self.run(args, num_splits=3), self.run(args, num_splits=3)
         for a, b in zip(first, second):
             np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
     def test_S2_deterministic_mode_is_batch_invariant(self):
-        spec = Spec(batch=5, q_heads=8, kv_heads=2, head_dim=64, page_size=16, width=160)
         rng = np.random.default_rng(8)
-        problem = make_problem(spec, rng, lengths=[2500, 7, 0, 1024, 1025])
+        problem = make_problem(self.deterministic_spec, rng, lengths=list(self.deterministic_lengths))
         args = to_device(problem, jnp.bfloat16)
         o_all, lse_all = self.run(args, deterministic=True)
-        for b in (0, 3, 4):
+        for b in self.deterministic_rows:
             alone = {k: v[b : b + 1] if k in ("q", "seq_lens") else v for k, v in args.items()}
             alone["cache_batch_idx"] = args["cache_batch_idx"][b : b + 1]
             o_b, lse_b = self.run(alone, deterministic=True)
@@ -131,10 +141,10 @@ class DecodeAttentionCases:
             np.testing.assert_array_equal(np.asarray(lse_b[0]), np.asarray(lse_all[b]))
 
     def test_S3_partial_states_merge_to_the_output(self):
-        problem = make_problem(SPECS[0], np.random.default_rng(9))
+        problem = make_problem(self.spec, np.random.default_rng(9))
         args = to_device(problem, jnp.bfloat16)
         o, lse, parts = decodejax.decode_attention(**args, return_lse=True, return_partial_states=True, num_splits=4, backend=self.backend)
-        assert parts.o.shape[:3] == (6, 8, 4)
+        assert parts.o.shape[:3] == (self.spec.batch, self.spec.q_heads, 4)
         merged = decodejax.split_state.merge_lse_along(parts, axis=2)
         np.testing.assert_allclose(np.asarray(merged.o), np.asarray(o, np.float32), atol=2e-2)
         np.testing.assert_allclose(np.asarray(merged.lse), np.asarray(lse), atol=1e-5)
@@ -142,6 +152,40 @@ class DecodeAttentionCases:
 
 class TestDecodeAttentionInterpret(DecodeAttentionCases):
     backend = "pallas_triton_interpret"
+
+
+class MosaicDecodeAttentionCases(DecodeAttentionCases):
+    """The shared body on the Mosaic GPU kernel's shapes."""
+
+    @pytest.mark.parametrize("spec", MOSAIC_SPECS, ids=str)
+    @pytest.mark.parametrize("dtype_name", list(DTYPES))
+    def test_matches_oracle(self, spec, dtype_name):
+        self.check_oracle(spec, dtype_name, OPTIONS[MOSAIC_SPECS.index(spec) % len(OPTIONS)])
+
+
+class TestMosaicDecodeAttentionInterpret(MosaicDecodeAttentionCases):
+    """Mosaic GPU interpret mode: out-of-bounds reads raise and shared-memory races are detected.
+
+    The interpreter runs each program's three warpgroups as threads (about 2 s a program on
+    the CI machine), so its problems have few programs: one K/V head, few requests."""
+
+    backend = "pallas_mosaic_gpu_interpret"
+    spec = Spec(batch=3, q_heads=4, kv_heads=1, head_dim=64, page_size=16, width=6, remap=True)
+    deterministic_spec = Spec(batch=3, q_heads=2, kv_heads=1, head_dim=64, page_size=16, width=80)
+    deterministic_lengths = (1100, 0, 1025)
+    deterministic_rows = (0, 2)
+
+    @pytest.mark.parametrize("spec,options", [
+        (Spec(batch=3, q_heads=8, kv_heads=1, head_dim=64, page_size=16, width=6, remap=True), {"soft_cap": 5.0, "window_left": 20, "sinks": 3}),
+        (Spec(batch=2, q_heads=2, kv_heads=1, head_dim=128, page_size=8, width=20), {"num_splits": 3}),
+        (Spec(batch=2, q_heads=3, kv_heads=1, head_dim=64, page_size=128, width=2, remap=True), {}),
+    ], ids=lambda x: str(x) if isinstance(x, Spec) else "-".join(x) or "defaults")
+    def test_matches_oracle(self, spec, options):
+        self.check_oracle(spec, "bfloat16", options)
+
+    @pytest.mark.parametrize("poison", [np.inf])
+    def test_A2_poison_leaves_output_bit_identical(self, poison):
+        super().test_A2_poison_leaves_output_bit_identical(poison)
 
 
 @pytest.mark.parametrize("case", bench_cases.SMALL_CASES, ids=lambda c: c.name)
@@ -218,6 +262,45 @@ def test_lowered_decode_step_contains_the_named_kernels():
         assert "decodejax_paged_decode" in text and "decodejax_merge_states" in text
         gather = jax.jit(lambda p, t, l: decodejax.gather_pages(p, t, l))
         assert "decodejax_gather_pages" in gather.trace(k, table, lens).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_lowered_mosaic_decode_contains_its_named_kernel():
+    q = jax.ShapeDtypeStruct((4, 32, 128), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((64, 16, 8, 128), jnp.bfloat16)
+    table = jax.ShapeDtypeStruct((4, 16), jnp.int32)
+    lens = jax.ShapeDtypeStruct((4,), jnp.int32)
+    with decodejax.dispatch.targeting("gpu", "9.0"):
+        step = jax.jit(lambda q, k, v, t, l: decodejax.decode_attention(q, k, v, t, l, backend="pallas_mosaic_gpu"))
+        assert "decodejax_paged_decode_mgpu" in step.trace(q, k, k, table, lens).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("change,reason", [
+    (dict(page_size=7), "page_size=7 is not a multiple of 8"),
+    (dict(page_size=24), "neither divides the other"),
+    (dict(num_q_heads=128), "group size 16 > 8"),
+    (dict(q_dtype="float32", kv_dtype="float32"), "bf16/fp16 only"),
+    (dict(compute_capability="8.0"), "compute capability 8.0 < 9.0"),
+    (dict(phase="append", q_len=4), "decode (one query row) only"),
+])
+def test_mosaic_admission_names_what_it_cannot_run(change, reason):
+    import dataclasses
+
+    key = decodejax.dispatch.DispatchKey(
+        device_type="gpu", compute_capability="9.0", operation="attention", phase="decode", q_dtype="bfloat16",
+        kv_dtype="bfloat16", q_len=1, kv_len=4096, num_q_heads=32, num_kv_heads=8, head_dim_qk=128, head_dim_v=128,
+        cache_layout=KVLayout.PAGED_NHD.value, page_size=16)
+    mosaic = decodejax.dispatch.backend("pallas_mosaic_gpu")
+    assert mosaic.reasons(key) == []
+    assert any(reason in r for r in mosaic.reasons(dataclasses.replace(key, **change))), mosaic.reasons(dataclasses.replace(key, **change))
+
+
+def test_mosaic_configs_must_fit_shared_memory():
+    from pallas_kernels.decode_attention_mgpu import MosaicDecodeConfig, default_config, supports
+
+    for d in (64, 128, 256):
+        assert supports(16, d, 4, jnp.bfloat16, default_config(d)) == []
+    too_big = supports(16, 128, 4, jnp.bfloat16, MosaicDecodeConfig(block_k=128, num_stages=4, compute_warpgroups=2))
+    assert len(too_big) == 1 and "bytes of shared memory" in too_big[0]
 
 
 def test_backends_and_auto_choice_on_this_platform():

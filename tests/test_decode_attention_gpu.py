@@ -11,7 +11,7 @@ import pytest
 import decodejax
 from decodejax import KVLayout
 from paged_problems import Spec, make_problem
-from test_decode_attention import DTYPES, LSE_ATOL, TOLERANCES, DecodeAttentionCases, oracle, to_device
+from test_decode_attention import DTYPES, LSE_ATOL, TOLERANCES, DecodeAttentionCases, MosaicDecodeAttentionCases, oracle, to_device
 
 pytestmark = [
     pytest.mark.gpu,
@@ -21,6 +21,10 @@ pytestmark = [
 
 class TestDecodeAttentionGPU(DecodeAttentionCases):
     backend = "pallas_triton"
+
+
+class TestMosaicDecodeAttentionGPU(MosaicDecodeAttentionCases):
+    backend = "pallas_mosaic_gpu"
 
 
 # A handful of compiled shapes; every call draws new lengths, tables and data (a case is a row).
