@@ -36,7 +36,8 @@ from decodejax import dispatch, reference
 from decodejax.addressing import KVLayout
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
-KERNEL_NAMES = {"pallas_triton": "decodejax_paged_decode", "pallas_triton_interpret": "decodejax_paged_decode"}
+KERNEL_NAMES = {"pallas_triton": "decodejax_paged_decode", "pallas_triton_interpret": "decodejax_paged_decode",
+                "pallas_mosaic_gpu": "decodejax_paged_decode_mgpu", "pallas_mosaic_gpu_interpret": "decodejax_paged_decode_mgpu"}
 # The source chain of a decode call: (path, symbol that must appear in it).
 SOURCE_CHAIN = (
     ("decodejax/_ops.py", "def decode_attention("),
