@@ -5,9 +5,14 @@ The same contract as the Triton producer (`pallas_kernels.decode_attention`): on
 split's normalized partial state (o, lse) in float32, EMPTY as (0, -inf). What differs is how
 it moves data:
 
-- K and V arrive by TMA, one copy per page of a block of `block_k` tokens, into a ring of
-  `num_stages` shared-memory slots; one barrier per slot counts the block's copies. Copies for
-  block i + num_stages are issued as soon as block i is consumed.
+- Warpgroups specialize. A producer warpgroup copies K and V by TMA, one copy per page of a
+  block of `block_k` tokens, into a ring of `num_stages` shared-memory slots (one barrier per
+  slot counts the block's copies) and refills a slot's K, then its V, as soon as the compute
+  warpgroup that owns the slot has read them. `compute_warpgroups` warpgroups take turns at the
+  blocks, each with its own running state; at the end the second hands its state to the first
+  through shared memory, which merges the two and writes the split's output.
+- The output tiles alias the ring: once every compute warpgroup is past its last block, every
+  issued copy has landed and been read, so the ring is free.
 - Scores and the weighted sum are warpgroup MMAs (wgmma). wgmma's M is 64, so the G query rows
   of a K/V head ride in a 64-row operand: the wrapper pads them to `QUERY_ROWS` (a TMA tile of
   8 rows) and rows past 8 hold whatever shared memory held. Rows never mix in a matrix
@@ -90,8 +95,8 @@ def supports(page_size: int, head_dim: int, group: int, dtype, config: MosaicDec
     if config.compute_warpgroups not in (1, 2) or config.num_stages < 2 or config.num_stages % config.compute_warpgroups:
         r.append(f"num_stages={config.num_stages} must be >= 2 and a multiple of "
                  f"compute_warpgroups={config.compute_warpgroups} (1 or 2)")
-    if page_size % TILE_ROWS:
-        r.append(f"page_size={page_size} is not a multiple of {TILE_ROWS}")
+    if page_size <= 0 or page_size % TILE_ROWS:
+        r.append(f"page_size={page_size} is not a positive multiple of {TILE_ROWS}")
     elif config.block_k % page_size and page_size % config.block_k:
         r.append(f"page_size={page_size} and block_k={config.block_k}: neither divides the other")
     if head_dim not in (64, 128, 256):
@@ -111,7 +116,7 @@ def _scores(q_smem, k_slot, *, interpret: bool):
         return jnp.dot(q_smem[...], k_slot[...].T, preferred_element_type=jnp.float32)
 
     def mma(acc_ref):
-        plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_slot, (1, 0)))
+        plgpu.wgmma(acc_ref, q_smem, k_slot.transpose((1, 0)))
         return acc_ref[...]
 
     return pl.run_scoped(mma, plgpu.ACC((q_smem.shape[0], k_slot.shape[0]), jnp.float32))

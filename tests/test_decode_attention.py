@@ -275,7 +275,8 @@ def test_lowered_mosaic_decode_contains_its_named_kernel():
 
 
 @pytest.mark.parametrize("change,reason", [
-    (dict(page_size=7), "page_size=7 is not a multiple of 8"),
+    (dict(page_size=7), "page_size=7 is not a positive multiple of 8"),
+    (dict(cache_layout=KVLayout.CONTIGUOUS_NHD.value, page_size=None), "paged layouts only"),
     (dict(page_size=24), "neither divides the other"),
     (dict(num_q_heads=128), "group size 16 > 8"),
     (dict(q_dtype="float32", kv_dtype="float32"), "bf16/fp16 only"),

@@ -84,13 +84,14 @@ def test_D1_matrix_prefill_with_contiguous_kv_changes_the_domain():
 def test_D1_matrix_cpu_decode_leaves_gpu_backends_out():
     s = select(changed(device_type="cpu", compute_capability=None, cache_layout=KVLayout.CONTIGUOUS_NHD.value, page_size=None, bucket_mode=False))
     names = [n for n, _ in s.candidates]
-    assert names == ["xla", "pallas_triton_interpret"] and s.backend == "xla"
+    assert names == ["xla", "pallas_triton_interpret", "pallas_mosaic_gpu_interpret"] and s.backend == "xla"
 
 
 def test_D1_matrix_dense_mask_under_bucket_mode_has_reasons_everywhere():
     with pytest.raises(AdmissionError) as err:
         select(changed(mask_kind="dense_custom"))
-    assert set(err.value.reasons) == {"pallas_triton", "cudnn", "xla", "pallas_triton_interpret"}
+    assert set(err.value.reasons) == {"pallas_triton", "pallas_mosaic_gpu", "cudnn", "xla", "pallas_triton_interpret",
+                                      "pallas_mosaic_gpu_interpret"}
     assert all(err.value.reasons.values())
 
 
