@@ -29,7 +29,8 @@ SPLIT_SWEEP = (1, 2, 4, 8, 16, 32, 64)
 BUILTIN_K_SPLITS = (1, 2, 4, 8, 16)
 # (block_k, num_stages, compute_warpgroups) of the Mosaic GPU kernel; one that does not fit a
 # case's shared memory is recorded as an error
-MOSAIC_TUNE = ((64, 2, 1), (64, 2, 2), (64, 4, 2), (64, 6, 2), (64, 8, 2), (64, 12, 2), (64, 3, 1), (64, 5, 1), (128, 3, 1), (128, 2, 2))
+MOSAIC_TUNE = ((64, 2, 1), (64, 2, 2), (64, 4, 2), (64, 6, 2), (64, 8, 2), (64, 12, 2), (64, 3, 1), (64, 5, 1),
+               (128, 3, 1), (128, 2, 2))
 
 
 def time_jax(fn, *args) -> list[float]:

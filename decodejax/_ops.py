@@ -210,6 +210,9 @@ def _attention_pallas(q, k_pages, v_pages, page_table, seq_lens, *, layout, cach
     assert dense_mask is None  # admission rejects dense masks for this backend
     B, H_q, D = q.shape
     _, P, H_kv, _ = addressing.pool_geometry(k_pages, layout)
+    config_type = decode_attention_mgpu.MosaicDecodeConfig if mosaic else decode_attention.DecodeConfig
+    if config is not None and not isinstance(config, config_type):
+        raise ValueError(f"config={config!r} does not configure this backend's kernel (a {config_type.__name__})")
     config = kernel.default_config(D) if config is None else config
     plan = decode_plan(B, H_kv, page_table.shape[1] * P, config.block_k, num_splits=num_splits, deterministic=deterministic, head_dim=D)
     start, end = plan.bounds(seq_lens.astype(jnp.int32))

@@ -295,6 +295,14 @@ def test_mosaic_admission_names_what_it_cannot_run(change, reason):
     assert any(reason in r for r in mosaic.reasons(dataclasses.replace(key, **change))), mosaic.reasons(dataclasses.replace(key, **change))
 
 
+def test_a_config_for_the_other_kernel_is_refused_by_name():
+    from pallas_kernels.decode_attention import DecodeConfig
+
+    args = to_device(make_problem(SPECS[0], np.random.default_rng(15)), jnp.bfloat16)
+    with pytest.raises(ValueError, match="config=DecodeConfig.*MosaicDecodeConfig"):
+        decodejax.decode_attention(**args, config=DecodeConfig(), backend="pallas_mosaic_gpu_interpret")
+
+
 def test_mosaic_configs_must_fit_shared_memory():
     from pallas_kernels.decode_attention_mgpu import MosaicDecodeConfig, default_config, supports
 
