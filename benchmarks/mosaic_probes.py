@@ -36,7 +36,8 @@ def main(argv=None):
         variants = {"triton/nhd": (dict(backend="pallas_triton"), k, v)}
         if question == "layout":
             variants["mgpu/nhd"] = (dict(backend="pallas_mosaic_gpu"), k, v)
-            variants["mgpu/hnd"] = (dict(backend="pallas_mosaic_gpu", layout=KVLayout.PAGED_HND), jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2))
+            hnd = dict(backend="pallas_mosaic_gpu", layout=KVLayout.PAGED_HND)
+            variants["mgpu/hnd"] = (hnd, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2))
         else:
             for block_k, stages, warpgroups in ((64, 2, 1), (64, 2, 2), (64, 4, 2)):
                 config = MosaicDecodeConfig(block_k=block_k, num_stages=stages, compute_warpgroups=warpgroups)

@@ -176,7 +176,8 @@ class TestMosaicDecodeAttentionInterpret(MosaicDecodeAttentionCases):
     deterministic_rows = (0, 2)
 
     @pytest.mark.parametrize("spec,options", [
-        (Spec(batch=3, q_heads=8, kv_heads=1, head_dim=64, page_size=16, width=6, remap=True), {"soft_cap": 5.0, "window_left": 20, "sinks": 3}),
+        (Spec(batch=3, q_heads=8, kv_heads=1, head_dim=64, page_size=16, width=6, remap=True),
+         {"soft_cap": 5.0, "window_left": 20, "sinks": 3}),
         (Spec(batch=2, q_heads=2, kv_heads=1, head_dim=128, page_size=8, width=20), {"num_splits": 3}),
         (Spec(batch=2, q_heads=3, kv_heads=1, head_dim=64, page_size=128, width=2, remap=True), {}),
     ], ids=lambda x: str(x) if isinstance(x, Spec) else "-".join(x) or "defaults")
