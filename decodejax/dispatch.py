@@ -170,6 +170,28 @@ class Backend:
         return out + self.admit(key)
 
 
+def _paged_attention_reasons(key: DispatchKey) -> list[str]:
+    """What every paged attention kernel needs: a paged layout, d_qk = d_v, causal masks."""
+    r = []
+    if key.cache_layout not in (KVLayout.PAGED_NHD.value, KVLayout.PAGED_HND.value):
+        r.append(f"cache_layout={key.cache_layout}: paged layouts only (PAGED_NHD, PAGED_HND)")
+    if key.head_dim_qk != key.head_dim_v:
+        r.append(f"d_qk={key.head_dim_qk} != d_v={key.head_dim_v}")
+    if key.mask_kind != "causal":
+        r.append(f"mask_kind={key.mask_kind} (causal with window/sinks only)")
+    return r
+
+
+def _operand_reasons(key: DispatchKey) -> list[str]:
+    """What every Pallas kernel needs of its operands: one dtype, a contiguous last dim."""
+    r = []
+    if key.q_dtype != key.kv_dtype:
+        r.append(f"q_dtype={key.q_dtype} != kv_dtype={key.kv_dtype}")
+    if not key.last_dim_contiguous:
+        r.append("last dim not contiguous")
+    return r
+
+
 def _pallas_decode_reasons(key: DispatchKey, *, need_gpu: bool) -> list[str]:
     r = []
     if key.operation == "merge_states" and key.head_dim_v & (key.head_dim_v - 1):
@@ -177,24 +199,16 @@ def _pallas_decode_reasons(key: DispatchKey, *, need_gpu: bool) -> list[str]:
     if key.operation == "attention":
         if key.phase == "decode" and key.q_len != 1:
             r.append(f"q_len={key.q_len}: one query row per request only")
-        if key.cache_layout not in (KVLayout.PAGED_NHD.value, KVLayout.PAGED_HND.value):
-            r.append(f"cache_layout={key.cache_layout}: paged dense-table layouts only")
         for name, d in (("head_dim_qk", key.head_dim_qk), ("head_dim_vo", key.head_dim_v)):
             if d not in (64, 128, 256):
                 r.append(f"{name}={d} unsupported (64, 128, 256)")
-        if key.head_dim_qk != key.head_dim_v:
-            r.append(f"d_qk={key.head_dim_qk} != d_v={key.head_dim_v}")
         if key.num_q_heads // key.num_kv_heads > 16:
             r.append(f"group size {key.num_q_heads // key.num_kv_heads} > 16")
-        if key.mask_kind != "causal":
-            r.append(f"mask_kind={key.mask_kind} (causal with window/sinks only)")
+        r += _paged_attention_reasons(key)
     for name, dt in (("q_dtype", key.q_dtype), ("kv_dtype", key.kv_dtype)):
         if dt not in ("bfloat16", "float16", "float32"):
             r.append(f"{name}={dt} unsupported")
-    if key.q_dtype != key.kv_dtype:
-        r.append(f"q_dtype={key.q_dtype} != kv_dtype={key.kv_dtype}")
-    if not key.last_dim_contiguous:
-        r.append("last dim not contiguous")
+    r += _operand_reasons(key)
     if need_gpu and key.compute_capability is not None and float(key.compute_capability) < 8.0:
         r.append(f"compute capability {key.compute_capability} < 8.0")
     return r
@@ -207,16 +221,7 @@ def _mosaic_decode_reasons(key: DispatchKey, *, need_gpu: bool) -> list[str]:
     r = []
     if key.phase != "decode" or key.q_len != 1:
         r.append(f"phase={key.phase}, q_len={key.q_len}: decode (one query row) only")
-    if key.cache_layout not in (KVLayout.PAGED_NHD.value, KVLayout.PAGED_HND.value):
-        r.append(f"cache_layout={key.cache_layout}: paged layouts only")
-    if key.head_dim_qk != key.head_dim_v:
-        r.append(f"d_qk={key.head_dim_qk} != d_v={key.head_dim_v}")
-    if key.q_dtype != key.kv_dtype:
-        r.append(f"q_dtype={key.q_dtype} != kv_dtype={key.kv_dtype}")
-    if key.mask_kind != "causal":
-        r.append(f"mask_kind={key.mask_kind} (causal with window/sinks only)")
-    if not key.last_dim_contiguous:
-        r.append("last dim not contiguous")
+    r += _paged_attention_reasons(key) + _operand_reasons(key)
     r += kernel.supports(key.page_size or 0, key.head_dim_v, key.num_q_heads // key.num_kv_heads, key.kv_dtype,
                          kernel.default_config(key.head_dim_v))
     if need_gpu and key.compute_capability is not None and float(key.compute_capability) < 9.0:

@@ -251,12 +251,15 @@ def test_gather_pages_kernel_matches_reference(layout):
     assert not np.any(np.isnan(np.asarray(got, np.float32)))
 
 
+def decode_shapes():
+    """(q, k_pages, page_table, seq_lens) shapes of a small bf16 decode call, for lowering."""
+    return (jax.ShapeDtypeStruct((4, 32, 128), jnp.bfloat16), jax.ShapeDtypeStruct((64, 16, 8, 128), jnp.bfloat16),
+            jax.ShapeDtypeStruct((4, 16), jnp.int32), jax.ShapeDtypeStruct((4,), jnp.int32))
+
+
 def test_lowered_decode_step_contains_the_named_kernels():
     """A silent fallback to XLA would drop these names from the lowered GPU module."""
-    q = jax.ShapeDtypeStruct((4, 32, 128), jnp.bfloat16)
-    k = jax.ShapeDtypeStruct((64, 16, 8, 128), jnp.bfloat16)
-    table = jax.ShapeDtypeStruct((4, 16), jnp.int32)
-    lens = jax.ShapeDtypeStruct((4,), jnp.int32)
+    q, k, table, lens = decode_shapes()
     with decodejax.dispatch.targeting("gpu", "9.0"):
         step = jax.jit(lambda q, k, v, t, l: decodejax.decode_attention(q, k, v, t, l, num_splits=4))
         text = step.trace(q, k, k, table, lens).lower(lowering_platforms=("cuda",)).as_text()
@@ -266,10 +269,7 @@ def test_lowered_decode_step_contains_the_named_kernels():
 
 
 def test_lowered_mosaic_decode_contains_its_named_kernel():
-    q = jax.ShapeDtypeStruct((4, 32, 128), jnp.bfloat16)
-    k = jax.ShapeDtypeStruct((64, 16, 8, 128), jnp.bfloat16)
-    table = jax.ShapeDtypeStruct((4, 16), jnp.int32)
-    lens = jax.ShapeDtypeStruct((4,), jnp.int32)
+    q, k, table, lens = decode_shapes()
     with decodejax.dispatch.targeting("gpu", "9.0"):
         step = jax.jit(lambda q, k, v, t, l: decodejax.decode_attention(q, k, v, t, l, backend="pallas_mosaic_gpu"))
         assert "decodejax_paged_decode_mgpu" in step.trace(q, k, k, table, lens).lower(lowering_platforms=("cuda",)).as_text()
