@@ -5,10 +5,13 @@
     python -m benchmarks.decode_attention --report benchmarks/results/decode_attention.json
 
 Each variant is timed as SAMPLES samples of REPS back-to-back calls followed by
-block_until_ready (so launch overhead is pipelined as in a decode loop); the JSON keeps every
-raw sample (microseconds per call). Effective bandwidth is unique K/V bytes over the median
-time, against the H200's 4.8 TB/s datasheet figure. FlashInfer runs under PyTorch in its own
-process (benchmarks.peers.flashinfer_decode) on data built by the same `make_case`.
+block_until_ready (`samples_us`, the figure every table and ratio uses); FlashInfer runs under
+PyTorch in its own process (benchmarks.peers.flashinfer_decode) on data built by the same
+`make_case`, timed the same way (its plan() once, outside the timing; our split bounds are
+computed inside every call). Second figures, in the JSON only: REPS calls compiled into one
+jitted program per sample (`in_program_samples_us`), and FlashInfer's REPS runs in one CUDA
+graph (`graph_samples_us`). Raw samples are microseconds per call. Effective bandwidth is unique
+K/V bytes over the median time, against the H200's 4.8 TB/s datasheet figure.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ SAMPLES, REPS, WARMUP = 30, 10, 3
 DATASHEET_TBPS = 4.8
 SPLIT_SWEEP = (1, 2, 4, 8, 16, 32, 64)
 BUILTIN_K_SPLITS = (1, 2, 4, 8, 16)
+MOSAIC_AUTO = "decodejax/mgpu-nhd/auto"  # the Mosaic GPU kernel's default path, beside the Triton kernel's
 # (block_k, num_stages, compute_warpgroups) of the Mosaic GPU kernel; one that does not fit a
 # case's shared memory is recorded as an error
 MOSAIC_TUNE = ((64, 2, 1), (64, 2, 2), (64, 4, 2), (64, 6, 2), (64, 8, 2), (64, 12, 2), (64, 3, 1), (64, 5, 1),
@@ -34,9 +38,17 @@ MOSAIC_TUNE = ((64, 2, 1), (64, 2, 2), (64, 4, 2), (64, 6, 2), (64, 8, 2), (64, 
 
 
 def time_jax(fn, *args) -> list[float]:
+    """Microseconds per call, REPS back-to-back calls per sample."""
     from decodejax import evidence
 
     return evidence.timed_samples(fn, args, samples=SAMPLES, reps=REPS, warmup=WARMUP)
+
+
+def time_in_program(fn, *args) -> list[float]:
+    """Microseconds per call, REPS calls compiled into one program per sample."""
+    from decodejax import evidence
+
+    return evidence.timed_samples_in_program(fn, args, samples=SAMPLES, calls=REPS, warmup=WARMUP)
 
 
 def summarize(samples, nbytes):
@@ -71,15 +83,18 @@ def run_case(case, results, sweep: bool, tune: bool = False, ours_only: bool = F
             out = fn(*args)
             err = float(np.max(np.abs(np.asarray(out, np.float32) - ref_o)))
             stats = summarize(time_jax(fn, *args), nbytes)
+            in_program = time_in_program(fn, *args)
+            stats |= {"in_program_samples_us": in_program, "in_program_median_us": float(np.median(in_program))}
             entry["variants"][name] = {"max_abs_err_vs_reference": err, **stats}
-            print(f"{case.name:24s} {name:34s} {stats['median_us']:9.1f} us  {stats['tbps_median']:5.2f} TB/s  err {err:.2e}", flush=True)
+            print(f"{case.name:24s} {name:34s} {stats['median_us']:9.1f} us  {stats['tbps_median']:5.2f} TB/s  "
+                  f"(in one program {stats['in_program_median_us']:.1f} us)  err {err:.2e}", flush=True)
         except Exception as exc:  # a peer that cannot run this shape is recorded, not hidden
             entry["variants"][name] = {"error": repr(exc)[:600]}
             print(f"{case.name:24s} {name:34s} ERROR {repr(exc)[:200]}", flush=True)
 
     ours = lambda backend="pallas_triton", **kw: jax.jit(functools.partial(decodejax.decode_attention, backend=backend, **kw))
     record("decodejax/nhd/auto", ours(), q, k, v, table, lens)
-    record("decodejax/mgpu-nhd/auto", ours("pallas_mosaic_gpu"), q, k, v, table, lens)
+    record(MOSAIC_AUTO, ours("pallas_mosaic_gpu"), q, k, v, table, lens)
     if tune_mosaic:
         from pallas_kernels.decode_attention_mgpu import MosaicDecodeConfig
 
@@ -133,6 +148,8 @@ def main(argv=None):
     parser.add_argument("--out", default="benchmarks/results/decode_attention.json")
     parser.add_argument("--flashinfer", help="JSON written by benchmarks.peers.flashinfer_decode")
     parser.add_argument("--report", help="only render the markdown table of this JSON")
+    parser.add_argument("--merge", default="", help="comma-separated JSONs of runs over disjoint cases (one run split "
+                        "across device calls): their cases, every figure recomputed from its raw samples, into --out")
     parser.add_argument("--cases", default="", help="comma-separated case names (default all)")
     parser.add_argument("--tune", default="", help="comma-separated case names to sweep DecodeConfig on")
     parser.add_argument("--tune-mosaic", default="", help="comma-separated case names to sweep MosaicDecodeConfig on")
@@ -144,12 +161,18 @@ def main(argv=None):
         json.dump(results, open(args.report, "w"), indent=1)
         print(render_table(results))
         return
+    if args.merge:
+        finish(merge_runs([json.load(open(path)) for path in args.merge.split(",")]), args.flashinfer, args.out)
+        return
     import jax
 
     results = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": {"device": jax.devices()[0].device_kind, "platform": platform.platform(), "python": platform.python_version(), "jax": jax.__version__},
-        "method": {"samples": SAMPLES, "reps_per_sample": REPS, "warmup": WARMUP, "unit": "microseconds per call", "datasheet_tbps": DATASHEET_TBPS},
+        "method": {"samples": SAMPLES, "reps_per_sample": REPS, "warmup": WARMUP, "unit": "microseconds per call", "datasheet_tbps": DATASHEET_TBPS,
+                   "samples_us": f"{REPS} back-to-back jitted calls per sample, then a sync",
+                   "in_program_samples_us": f"one jitted program of {REPS} calls per sample, then a sync",
+                   "flashinfer": "samples_us: REPS back-to-back runs; graph_samples_us: one CUDA graph of REPS runs"},
         "cases": {},
     }
     try:
@@ -164,8 +187,29 @@ def main(argv=None):
             run_case(case, results, sweep="target" in case.tags and not args.ours_only, tune=case.name in args.tune.split(","),
                      ours_only=args.ours_only, tune_mosaic=case.name in args.tune_mosaic.split(","))
             json.dump(results, open(args.out, "w"), indent=1)
-    if args.flashinfer:
-        fi = json.load(open(args.flashinfer))
+    finish(results, args.flashinfer, args.out)
+
+
+def merge_runs(runs: list[dict]) -> dict:
+    """One result from runs of the same machine and method over disjoint cases."""
+    merged = {key: runs[0][key] for key in ("date", "machine", "method")} | {"cases": {}, "merged_from_dates": [r["date"] for r in runs]}
+    for run in runs:
+        if run["machine"] != merged["machine"] or run["method"] != merged["method"]:
+            raise ValueError(f"run of {run['date']} differs in machine or method from the run of {merged['date']}")
+        for name, entry in run["cases"].items():
+            if name in merged["cases"]:
+                raise ValueError(f"case {name} is in two runs")
+            for variant in entry["variants"].values():
+                if "samples_us" in variant:
+                    variant.update(summarize(variant["samples_us"], entry["kv_bytes"]))
+            merged["cases"][name] = entry
+    return merged
+
+
+def finish(results, flashinfer_json: str | None, out_path: str) -> None:
+    """Attaches FlashInfer's rows (if any), the peer comparisons and writes the JSON and the table."""
+    if flashinfer_json:
+        fi = json.load(open(flashinfer_json))
         results["flashinfer"] = fi
         for name, entry in results["cases"].items():
             for tc in (False, True):
@@ -173,12 +217,14 @@ def main(argv=None):
                 if "samples_us" in raw:
                     entry["variants"][f"flashinfer/tensor_cores={tc}"] = {
                         **summarize(raw["samples_us"], entry["kv_bytes"]),
+                        **({"graph_samples_us": raw["graph_samples_us"], "graph_median_us": float(np.median(raw["graph_samples_us"]))}
+                           if "graph_samples_us" in raw else {"graph_error": raw.get("graph_error", "")}),
                         "abs_checksum": raw["out_checksum"],
                     }
                 elif raw:
                     entry["variants"][f"flashinfer/tensor_cores={tc}"] = {"error": raw.get("error", "")}
     results["comparisons"] = comparisons(results)
-    json.dump(results, open(args.out, "w"), indent=1)
+    json.dump(results, open(out_path, "w"), indent=1)
     print(render_table(results))
 
 
@@ -194,7 +240,7 @@ def comparisons(results) -> dict:
     from decodejax import evidence
 
     def row(case, variant):
-        return {"case": case, "scope": "kernel call (jit, back-to-back)", "phase": "decode", "metric": "latency",
+        return {"case": case, "scope": "kernel call (back-to-back calls)", "phase": "decode", "metric": "latency",
                 "gpu": results["machine"]["device"], "precision": "bf16", "workload": "paged decode, same data per case",
                 "statistic": "median", "median_us": variant["median_us"]}
 
@@ -221,7 +267,7 @@ def _best(variants, prefix):
 def render_table(results) -> str:
     m = results["machine"]
     lines = [
-        f"Machine: {m['device']}, jax {m['jax']}, Python {m['python']}; {results['date']}. "
+        f"Machine: {m['device']}, jax {m['jax']}, Python {m['python']}; {', '.join(results.get('merged_from_dates', [results['date']]))}. "
         f"{results['method']['samples']} samples x {results['method']['reps_per_sample']} back-to-back calls; "
         "TB/s = unique K/V bytes / median time (datasheet 4.8 TB/s).",
         "",
@@ -253,6 +299,14 @@ def render_table(results) -> str:
         for name, est in results["comparisons"].items():
             per_case = ", ".join(f"{c}: {r:.2f}" for c, r in est["ratios"].items())
             lines.append(f"| {name} | {est['arithmetic_mean_of_ratios']:.2f} | {est['ratio_of_sums']:.2f} | {est['geometric_mean']:.2f} | {est['max']:.2f} | {per_case} |")
+    mosaic = [(name, e["variants"]) for name, e in results["cases"].items() if "median_us" in e["variants"].get(MOSAIC_AUTO, {})]
+    if mosaic:
+        lines += ["", "The Mosaic GPU kernel against the Triton kernel, both default paths of this run, median / min us:", "",
+                  "| case | Triton (auto) | Mosaic GPU (auto) | TB/s (Mosaic) | Mosaic speed / Triton speed |", "|---|---|---|---|---|"]
+        for name, var in mosaic:
+            tri, mg = var["decodejax/nhd/auto"], var[MOSAIC_AUTO]
+            lines.append(f"| {name} | {tri['median_us']:.1f} / {tri['min_us']:.1f} | {mg['median_us']:.1f} / {mg['min_us']:.1f} | "
+                         f"{mg['tbps_median']:.2f} | {tri['median_us'] / mg['median_us']:.2f}x |")
     lines += ["", "Split-count sweep (decodejax, NHD), median us:", ""]
     header = "| case | " + " | ".join(f"S={s}" for s in SPLIT_SWEEP) + " | auto | deterministic |"
     lines += [header, "|" + "---|" * (len(SPLIT_SWEEP) + 3)]

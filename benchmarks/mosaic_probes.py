@@ -1,11 +1,19 @@
-"""Two questions about the Mosaic GPU decode kernel, timed beside the Triton kernel on the GPU.
+"""Questions about the Mosaic GPU decode kernel, timed beside the Triton kernel on the GPU.
 
     python -m benchmarks.mosaic_probes layout  OUT.json   # NHD against HND pools (B 32, B 128)
     python -m benchmarks.mosaic_probes configs OUT.json   # ring slots and warpgroups (B 1, 32, 128)
+    python -m benchmarks.mosaic_probes bottleneck OUT.json  # the kernel with parts of its work removed
+    python -m benchmarks.mosaic_probes splits OUT.json   # split counts, i.e. programs and waves per SM
+    python -m benchmarks.mosaic_probes profile OUT.json  # GPU time per kernel of one decode call
 
 `layout`: are strided page copies (NHD rows are H_kv * D apart) what holds the kernel back?
 `configs`: do configs small enough for two programs per SM (80 KiB of shared memory) beat the
-default (one program per SM)? Same timing method as `decode_attention.py` (`time_jax`).
+default (one program per SM)? `bottleneck`: how fast is the kernel with its matrix products,
+its softmax, or both replaced by constants (outputs wrong, bytes moved the same), and with three
+compute warpgroups? `splits`: the kernel holds one program per SM; how does its speed follow the
+number of programs (waves) and their length, GQA against MHA? `profile`: of a call's time, how
+much is the decode kernel and how much the small XLA kernels around it (bounds, merge)? Same
+timing method as `decode_attention.py` (`time_jax`: back-to-back calls).
 """
 
 from __future__ import annotations
@@ -13,6 +21,50 @@ from __future__ import annotations
 import functools
 import json
 import sys
+
+
+def _without(part: str):
+    """Replacements for the Mosaic kernel's helpers that skip `part` ("mma", "softmax")."""
+    import jax.numpy as jnp
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    if part == "mma":
+        def scores(q_smem, k_slot, *, interpret):
+            zeros = jnp.zeros((q_smem.shape[0], k_slot.shape[0]), jnp.float32)
+            return plgpu.layout_cast(zeros, plgpu.Layout.WGMMA)
+
+        return {"_scores": scores, "_accumulate": lambda acc, p, v_slot, *, interpret: acc}
+    return {"_online_softmax": lambda scores, m, l: (scores, jnp.ones_like(m), m, l)}
+
+
+def _bottleneck_variants(k, v):
+    from pallas_kernels.decode_attention_mgpu import MosaicDecodeConfig
+
+    default = dict(backend="pallas_mosaic_gpu")
+    return {
+        "mgpu/full": (default, k, v, ()),
+        "mgpu/wg=3,st=6": (dict(default, config=MosaicDecodeConfig(64, 6, 3)), k, v, ()),
+        "mgpu/no_mma": (default, k, v, ("mma",)),
+        "mgpu/no_softmax": (default, k, v, ("softmax",)),
+        "mgpu/no_mma_no_softmax": (default, k, v, ("mma", "softmax")),
+    }
+
+
+def _device_activity(fn, *args, calls: int = 20) -> dict:
+    """GPU time per call by kernel name, from a jax.profiler trace of `calls` calls."""
+    import tempfile
+
+    import jax
+
+    from benchmarks.profile_summary import device_activity
+
+    jax.block_until_ready(fn(*args))
+    trace_dir = tempfile.mkdtemp(prefix="decodejax_probe_trace_")
+    with jax.profiler.trace(trace_dir):
+        for _ in range(calls):
+            out = fn(*args)
+        jax.block_until_ready(out)
+    return device_activity(trace_dir, calls)
 
 
 def main(argv=None):
@@ -26,25 +78,55 @@ def main(argv=None):
     from pallas_kernels.decode_attention_mgpu import MosaicDecodeConfig
 
     question, out_path = (argv or sys.argv[1:])[:2]
-    shapes = {"layout": ((32, 4096), (128, 1024)), "configs": ((1, 32768), (32, 4096), (128, 1024))}[question]
+    from pallas_kernels import decode_attention_mgpu
+
+    shapes = {"layout": ((32, 4096), (128, 1024)), "configs": ((1, 32768), (32, 4096), (128, 1024)),
+              "bottleneck": ((8, 8192), (32, 4096), (128, 1024), (32, 4096, 64)),
+              "splits": ((1, 32768), (8, 8192), (32, 4096), (128, 1024), (128, 4096), (32, 4096, 128, 32)),
+              "profile": ((1, 32768), (8, 8192), (32, 4096), (128, 1024))}[question]
     out = {}
-    for batch, length in shapes:
-        case = bench_cases.Case(f"B{batch}_T{length}", batch, length)
+    for batch, length, *rest in shapes:
+        head_dim, kv_heads = (rest + [128, 8][len(rest):])[:2]  # defaults: D 128, 8 K/V heads
+        case = bench_cases.Case(f"B{batch}_T{length}_D{head_dim}_Hkv{kv_heads}", batch, length, head_dim=head_dim,
+                                q_heads=max(32, kv_heads), kv_heads=kv_heads)
         data = bench_cases.make_case(case)
         q, k, v = (jnp.asarray(data[n], jnp.bfloat16) for n in ("q", "k_pages", "v_pages"))
         table, lens = jnp.asarray(data["page_table"]), jnp.asarray(data["seq_lens"])
-        variants = {"triton/nhd": (dict(backend="pallas_triton"), k, v)}
+        variants = {"triton/nhd": (dict(backend="pallas_triton"), k, v, ())}
         if question == "layout":
-            variants["mgpu/nhd"] = (dict(backend="pallas_mosaic_gpu"), k, v)
+            variants["mgpu/nhd"] = (dict(backend="pallas_mosaic_gpu"), k, v, ())
             hnd = dict(backend="pallas_mosaic_gpu", layout=KVLayout.PAGED_HND)
-            variants["mgpu/hnd"] = (hnd, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2))
-        else:
+            variants["mgpu/hnd"] = (hnd, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), ())
+        elif question == "configs":
             for block_k, stages, warpgroups in ((64, 2, 1), (64, 2, 2), (64, 4, 2)):
                 config = MosaicDecodeConfig(block_k=block_k, num_stages=stages, compute_warpgroups=warpgroups)
-                variants[f"mgpu/bk={block_k},st={stages},wg={warpgroups}"] = (dict(backend="pallas_mosaic_gpu", config=config), k, v)
-        for name, (options, k_pool, v_pool) in variants.items():
+                variants[f"mgpu/bk={block_k},st={stages},wg={warpgroups}"] = (dict(backend="pallas_mosaic_gpu", config=config), k, v, ())
+        elif question == "profile":
+            variants["mgpu/auto"] = (dict(backend="pallas_mosaic_gpu"), k, v, ())
+        elif question == "bottleneck":
+            variants.update(_bottleneck_variants(k, v))
+        else:
+            variants["mgpu/auto"] = (dict(backend="pallas_mosaic_gpu"), k, v, ())
+            variants["mgpu/auto/no_mma_no_softmax"] = (dict(backend="pallas_mosaic_gpu"), k, v, ("mma", "softmax"))
+            for splits in (1, 2, 4, 8, 16, 32):
+                if batch * kv_heads * splits <= 8 * 132 and length // splits >= 256:
+                    variants[f"mgpu/splits={splits}"] = (dict(backend="pallas_mosaic_gpu", num_splits=splits), k, v, ())
+        for name, (options, k_pool, v_pool, removed) in variants.items():
+            originals = {}
+            for part in removed:
+                for helper, replacement in _without(part).items():
+                    originals[helper] = getattr(decode_attention_mgpu, helper)
+                    setattr(decode_attention_mgpu, helper, replacement)
+            jax.clear_caches()  # the kernel is traced again with (or without) the replacements
             fn = jax.jit(functools.partial(decodejax.decode_attention, **options))
-            stats = summarize(time_jax(fn, q, k_pool, v_pool, table, lens), bench_cases.kv_bytes(case))
+            try:
+                stats = summarize(time_jax(fn, q, k_pool, v_pool, table, lens), bench_cases.kv_bytes(case))
+            finally:
+                for helper, original in originals.items():
+                    setattr(decode_attention_mgpu, helper, original)
+            if question == "profile":
+                stats["profile"] = _device_activity(fn, q, k_pool, v_pool, table, lens)
+                print(json.dumps(stats["profile"]["top"][:6]), flush=True)
             out[f"{case.name}/{name}"] = stats
             print(f"{case.name} {name} {stats['median_us']:.1f} us {stats['tbps_median']:.2f} TB/s", flush=True)
     with open(out_path, "w") as f:

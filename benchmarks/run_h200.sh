@@ -6,7 +6,7 @@
 #
 # Stages and the result files they produce:
 #   evidence  python -m decodejax evidence (base decode call)       -> evidence_<digest>.json
-#   sweep     the >= 10,000-row GPU correctness sweep per dtype     -> gpu_sweep_<dtype>.json
+#   sweep     the >= 10,000-row GPU correctness sweeps (Triton, Mosaic) per dtype -> gpu_sweep_<backend>_<dtype>.json
 #   models    append-attention GPU tests, then the model parity and engine tests with the GPU kernels in the loop
 #   kernel    FlashInfer (own process), then decodejax and the JAX peers -> fi.json, decode_attention.json
 #   e2e       llama3-8b engine decode, with a GPU-time profile per shape -> e2e_decode.json

@@ -132,6 +132,20 @@ def timed_samples(fn, args, *, samples: int, reps: int = REPS_PER_SAMPLE, warmup
     return out
 
 
+def timed_samples_in_program(fn, args, *, samples: int, calls: int = REPS_PER_SAMPLE, warmup: int = WARMUP_CALLS) -> list[float]:
+    """Microseconds per call with the host's dispatch left out: each sample is one compiled program
+    that makes `calls` calls of fn, then one sync.
+
+    How a jitted model or an AOT step runs the op. Back-to-back dispatches (`timed_samples`) keep
+    the GPU fed only when a call's device time exceeds its host cost; for calls of ~100 us the
+    dispatch of the few small XLA kernels around the kernel leaves the GPU idle between them.
+    Each call gets its own copy of the first argument, so the compiler can neither share the
+    calls' work nor hoist it out of the program.
+    """
+    program = jax.jit(lambda copies, *rest: [fn(copies[i], *rest) for i in range(calls)])
+    return [t / calls for t in timed_samples(program, (jnp.stack([args[0]] * calls), *args[1:]), samples=samples, reps=1, warmup=warmup)]
+
+
 def _profile_names_kernel(fn, args, name: str) -> dict:
     """Runs fn under jax.profiler.trace; reports whether the trace files mention `name`."""
     trace_dir = tempfile.mkdtemp(prefix="decodejax_trace_")

@@ -9,8 +9,8 @@ it moves data:
   block of `block_k` tokens, into a ring of `num_stages` shared-memory slots (one barrier per
   slot counts the block's copies) and refills a slot's K, then its V, as soon as the compute
   warpgroup that owns the slot has read them. `compute_warpgroups` warpgroups take turns at the
-  blocks, each with its own running state; at the end the second hands its state to the first
-  through shared memory, which merges the two and writes the split's output.
+  blocks, each with its own running state; at the end the others hand their states to the first
+  through shared memory, which merges them in warpgroup order and writes the split's output.
 - The output tiles alias the ring: once every compute warpgroup is past its last block, every
   issued copy has landed and been read, so the ring is free.
 - Scores and the weighted sum are warpgroup MMAs (wgmma). wgmma's M is 64, so the G query rows
@@ -59,7 +59,7 @@ class MosaicDecodeConfig:
         divides pages).
       num_stages: shared-memory slots of the K/V ring (blocks in flight, >= 2); a multiple of
         compute_warpgroups, so each slot always feeds the same warpgroup.
-      compute_warpgroups: 1 or 2 warpgroups taking turns at the blocks (a third issues copies).
+      compute_warpgroups: 1 to 3 warpgroups taking turns at the blocks (one more issues copies).
     """
 
     block_k: int = 64
@@ -67,9 +67,10 @@ class MosaicDecodeConfig:
     compute_warpgroups: int = 2
 
     def shared_memory_bytes(self, head_dim: int, itemsize: int) -> int:
-        """q, then the K/V ring and the output tiles, which alias it."""
+        """q, then the K/V ring and the hand-off and output tiles, which alias it."""
         ring = 2 * self.num_stages * self.block_k * head_dim * itemsize
-        output = WGMMA_ROWS * head_dim * 4 + 3 * WGMMA_ROWS * 4
+        handoffs = max(1, self.compute_warpgroups - 1)
+        output = handoffs * (WGMMA_ROWS * head_dim * 4 + 2 * WGMMA_ROWS * 4) + WGMMA_ROWS * 4
         return WGMMA_ROWS * head_dim * itemsize + max(ring, output)
 
 
@@ -92,9 +93,9 @@ def supports(page_size: int, head_dim: int, group: int, dtype, config: MosaicDec
     r = []
     if config.block_k % WGMMA_ROWS:
         r.append(f"block_k={config.block_k} is not a multiple of {WGMMA_ROWS}")
-    if config.compute_warpgroups not in (1, 2) or config.num_stages < 2 or config.num_stages % config.compute_warpgroups:
+    if config.compute_warpgroups not in (1, 2, 3) or config.num_stages < 2 or config.num_stages % config.compute_warpgroups:
         r.append(f"num_stages={config.num_stages} must be >= 2 and a multiple of "
-                 f"compute_warpgroups={config.compute_warpgroups} (1 or 2)")
+                 f"compute_warpgroups={config.compute_warpgroups} (1 to 3)")
     if page_size <= 0 or page_size % TILE_ROWS:
         r.append(f"page_size={page_size} is not a positive multiple of {TILE_ROWS}")
     elif config.block_k % page_size and page_size % config.block_k:
@@ -157,6 +158,25 @@ def _row_vector(x, shape):
     return lax.broadcast_in_dim(x, shape, [0])
 
 
+def _online_softmax(scores, m, l):
+    """One block of the running softmax in base 2: scores f32[R, N] (-inf where masked) and the
+    state (m, l) f32[R] -> (p f32[R, N], alpha f32[R] rescaling what came before, m, l)."""
+    m_new = jnp.maximum(m, scores.max(axis=1))
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # EMPTY so far: no -inf - -inf
+    p = jnp.exp2(scores - _row_vector(m_safe, scores.shape))
+    alpha = jnp.exp2(m - m_safe)
+    return p, alpha, m_new, l * alpha + p.sum(axis=1)
+
+
+def _merge_states(acc, m, l, acc_other, m_other, l_other):
+    """Two running states (acc f32[R, D], m, l f32[R], base 2) of disjoint blocks -> one."""
+    m_max = jnp.maximum(m, m_other)
+    m_safe = jnp.where(m_max == -jnp.inf, 0.0, m_max)
+    scale, scale_other = jnp.exp2(m - m_safe), jnp.exp2(m_other - m_safe)
+    merged = acc * _row_vector(scale, acc.shape) + acc_other * _row_vector(scale_other, acc.shape)
+    return merged, m_max, l * scale + l_other * scale_other
+
+
 def _decode_body(
     q_ref,  # [B, H_kv, QUERY_ROWS, D]
     k_ref,  # the pool, PAGED_NHD [num_pages, P, H_kv, D] or PAGED_HND [num_pages, H_kv, P, D]
@@ -169,14 +189,14 @@ def _decode_body(
     o_ref,  # f32[B, H_kv, QUERY_ROWS, S, D]
     lse_ref,  # f32[B, H_kv, S, QUERY_ROWS]
     q_smem,  # [64, D]
-    ring_then_output,  # ((K ring, V ring) [num_stages, block_k, D], then (o f32[64, D], m, l, lse f32[64])) aliased
+    ring_then_output,  # ((K ring, V ring) [num_stages, block_k, D], then (o f32[W, 64, D], m, l f32[W, 64], lse f32[64])) aliased
     q_barrier,
     k_barriers,  # one per slot, counting the block's page copies
     v_barriers,
     k_consumed_barriers,  # one per slot: its K (V) has been read by the MMAs
     v_consumed_barriers,
     loops_done_barrier,  # every compute warpgroup is past its last block: the ring is free
-    handoff_barrier,  # the second compute warpgroup's state is in shared memory
+    handoff_barrier,  # the other compute warpgroups' states are in shared memory (W = their count, >= 1)
     *,
     page_size: int,
     layout: KVLayout,
@@ -253,12 +273,7 @@ def _decode_body(
             scores = soft_cap * jnp.tanh(scores / soft_cap)
         t = _positions(t0, scores.shape, 1, interpret=interpret)
         live = (t >= start) & (t < end) & visible(q_pos, t, seq_len, mask)
-        scores = jnp.where(live, scores * LOG2_E, -jnp.inf)
-        m_new = jnp.maximum(m, scores.max(axis=1))
-        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # EMPTY so far: no -inf - -inf
-        p = jnp.exp2(scores - _row_vector(m_safe, scores.shape))
-        alpha = jnp.exp2(m - m_safe)
-        l = l * alpha + p.sum(axis=1)
+        p, alpha, m_new, l = _online_softmax(jnp.where(live, scores * LOG2_E, -jnp.inf), m, l)
         plgpu.barrier_wait(v_barriers.at[slot])
 
         @pl.when(t0 + block_k > end)
@@ -275,10 +290,10 @@ def _decode_body(
     def write_output(acc, m, l):
         valid = l > 0
         safe_l = jnp.where(valid, l, 1.0)
-        o_smem[...] = jnp.where(_row_vector(valid, acc.shape), acc / _row_vector(safe_l, acc.shape), 0.0)
+        o_smem[0] = jnp.where(_row_vector(valid, acc.shape), acc / _row_vector(safe_l, acc.shape), 0.0)
         lse_smem[...] = jnp.where(valid, (m + jnp.log2(safe_l)) / LOG2_E, -jnp.inf)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, QUERY_ROWS)], o_ref.at[b, h, :, s])
+        plgpu.copy_smem_to_gmem(o_smem.at[0, pl.ds(0, QUERY_ROWS)], o_ref.at[b, h, :, s])
         plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(0, QUERY_ROWS)], lse_ref.at[b, h, s])
         plgpu.wait_smem_to_gmem(0)
 
@@ -302,24 +317,23 @@ def _decode_body(
             write_output(acc, m, l)
             return
 
-        @pl.when(wg == 1)
+        @pl.when(wg > 0)
         def _hand_over():
-            o_smem[...] = acc
-            m_smem[...] = m
-            l_smem[...] = l
+            o_smem[wg - 1] = acc
+            m_smem[wg - 1] = m
+            l_smem[wg - 1] = l
             plgpu.barrier_arrive(handoff_barrier)
 
         @pl.when(wg == 0)
         def _merge_and_write():
             plgpu.barrier_wait(handoff_barrier)
-            acc_1 = _load(o_smem, plgpu.Layout.WGMMA, interpret=interpret, optimized=False)
-            m_1 = _load(m_smem, reduced, interpret=interpret, optimized=False)
-            l_1 = _load(l_smem, reduced, interpret=interpret, optimized=False)
-            m_max = jnp.maximum(m, m_1)
-            m_safe = jnp.where(m_max == -jnp.inf, 0.0, m_max)
-            scale_0, scale_1 = jnp.exp2(m - m_safe), jnp.exp2(m_1 - m_safe)
-            merged = acc * _row_vector(scale_0, acc.shape) + acc_1 * _row_vector(scale_1, acc.shape)
-            write_output(merged, m_max, l * scale_0 + l_1 * scale_1)
+            state = (acc, m, l)
+            for other in range(compute_wgs - 1):  # in warpgroup order: the same sums every run
+                state = _merge_states(*state,
+                                      _load(o_smem.at[other], plgpu.Layout.WGMMA, interpret=interpret, optimized=False),
+                                      _load(m_smem.at[other], reduced, interpret=interpret, optimized=False),
+                                      _load(l_smem.at[other], reduced, interpret=interpret, optimized=False))
+            write_output(*state)
 
 
 @functools.partial(jax.jit, static_argnames=("layout", "sm_scale", "soft_cap", "mask", "config", "interpret"))
@@ -365,6 +379,7 @@ def paged_decode_partials(
 
         extra["interpret"] = InterpretGPUParams(detect_races=True, out_of_bounds_reads="raise")
     copies_per_block = max(1, config.block_k // P)
+    handoffs = max(1, config.compute_warpgroups - 1)  # the output tile reuses the first
     kernel = plgpu.kernel(
         body,
         out_type=(
@@ -376,7 +391,8 @@ def paged_decode_partials(
             # The interpreter cannot alias refs; apart, the two groups behave the same.
             ((lambda *groups: groups) if interpret else plgpu.RefUnion)(
                 (plgpu.SMEM(ring, k_pages.dtype, transforms=tiled), plgpu.SMEM(ring, v_pages.dtype, transforms=tiled)),
-                (plgpu.SMEM((WGMMA_ROWS, D), jnp.float32), *[plgpu.SMEM((WGMMA_ROWS,), jnp.float32)] * 3),
+                (plgpu.SMEM((handoffs, WGMMA_ROWS, D), jnp.float32), *[plgpu.SMEM((handoffs, WGMMA_ROWS), jnp.float32)] * 2,
+                 plgpu.SMEM((WGMMA_ROWS,), jnp.float32)),
             ),
             plgpu.Barrier(),
             plgpu.Barrier(num_arrivals=copies_per_block, num_barriers=config.num_stages),
@@ -384,7 +400,7 @@ def paged_decode_partials(
             plgpu.Barrier(num_barriers=config.num_stages),
             plgpu.Barrier(num_barriers=config.num_stages),
             plgpu.Barrier(num_arrivals=config.compute_warpgroups),
-            plgpu.Barrier(),
+            plgpu.Barrier(num_arrivals=handoffs),
         ],
         grid=(S, H_kv, B),
         grid_names=("split", "kv_head", "batch"),

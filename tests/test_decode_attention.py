@@ -162,6 +162,19 @@ class MosaicDecodeAttentionCases(DecodeAttentionCases):
     def test_matches_oracle(self, spec, dtype_name):
         self.check_oracle(spec, dtype_name, OPTIONS[MOSAIC_SPECS.index(spec) % len(OPTIONS)])
 
+    @pytest.mark.parametrize("compute_warpgroups,stages", [(1, 2), (3, 3)])
+    def test_other_warpgroup_counts_match_oracle(self, compute_warpgroups, stages):
+        """The end-of-split hand-off merges every compute warpgroup's state, empty ones too (the
+        default has two warpgroups); the shorter request leaves a third warpgroup without a block."""
+        from pallas_kernels.decode_attention_mgpu import MosaicDecodeConfig
+
+        spec = Spec(batch=2, q_heads=4, kv_heads=1, head_dim=64, page_size=16, width=14)
+        problem = make_problem(spec, np.random.default_rng(7), lengths=(224, 70))  # one split: 4 and 2 blocks of 64
+        args = to_device(problem, jnp.bfloat16)
+        o, lse = self.run(args, config=MosaicDecodeConfig(64, stages, compute_warpgroups), num_splits=1)
+        ref_o, ref_lse = oracle(args, KVLayout.PAGED_NHD)
+        assert_matches_oracle(o, lse, ref_o, ref_lse, "bfloat16", problem["seq_lens"])
+
 
 class TestMosaicDecodeAttentionInterpret(MosaicDecodeAttentionCases):
     """Mosaic GPU interpret mode: out-of-bounds reads raise and shared-memory races are detected.

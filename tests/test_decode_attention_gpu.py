@@ -36,16 +36,26 @@ SWEEP = [
     (Spec(256, 8, 8, 128, 32, 40), {"deterministic": True}),
     (Spec(256, 64, 8, 64, 64, 20), {"sm_scale": 0.05, "num_splits": 64}),
 ]
+# The same options on the Mosaic kernel's shapes (pages a multiple of 8).
+MOSAIC_SWEEP = [
+    (Spec(256, 32, 8, 128, 16, 64, remap=True), {}),
+    (Spec(256, 32, 32, 64, 8, 100), {"window_left": 300, "sinks": 4}),
+    (Spec(256, 16, 2, 256, 128, 8), {"soft_cap": 30.0}),
+    (Spec(256, 24, 4, 128, 32, 40, remap=True), {"num_splits": 7}),
+    (Spec(256, 8, 8, 128, 32, 40), {"deterministic": True}),
+    (Spec(256, 64, 8, 64, 64, 20), {"sm_scale": 0.05, "num_splits": 64}),
+]
 DRAWS = 7  # 6 shapes x 7 draws x 256 rows = 10,752 rows per dtype
 
 
+@pytest.mark.parametrize("backend,sweep", [("pallas_triton", SWEEP), ("pallas_mosaic_gpu", MOSAIC_SWEEP)], ids=["triton", "mosaic"])
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
-def test_ten_thousand_rows_per_dtype(dtype_name):
+def test_ten_thousand_rows_per_dtype(dtype_name, backend, sweep):
     atol, rtol = TOLERANCES[dtype_name]
     rows = out_of_tol = lse_out = nans = 0
     worst = 0.0
-    for i, (spec, options) in enumerate(SWEEP):
-        step = jax.jit(lambda a: decodejax.decode_attention(**a, return_lse=True, backend="pallas_triton", **options))
+    for i, (spec, options) in enumerate(sweep):
+        step = jax.jit(lambda a: decodejax.decode_attention(**a, return_lse=True, backend=backend, **options))
         ref = jax.jit(lambda a: oracle(a, KVLayout.PAGED_NHD, **{k: v for k, v in options.items() if k in ("sm_scale", "soft_cap", "window_left", "sinks")}))
         for draw in range(DRAWS):
             problem = make_problem(spec, np.random.default_rng(1000 * i + draw), num_pages=spec.batch * spec.width + 4)
@@ -61,9 +71,9 @@ def test_ten_thousand_rows_per_dtype(dtype_name):
             out_of_tol += int((o[~live] != 0).any(axis=(1, 2)).sum() + (lse[~live] != -np.inf).any(axis=1).sum())
             worst = max(worst, float(np.abs(o - ref_o).max()))
             rows += spec.batch
-    summary = {"dtype": dtype_name, "rows": rows, "out_of_tolerance": out_of_tol, "lse_out_of_tolerance": lse_out, "rows_with_nan": nans, "max_abs_err": worst}
+    summary = {"backend": backend, "dtype": dtype_name, "rows": rows, "out_of_tolerance": out_of_tol, "lse_out_of_tolerance": lse_out, "rows_with_nan": nans, "max_abs_err": worst}
     print(json.dumps(summary))
     if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], f"gpu_sweep_{dtype_name}.json"), "w") as f:
+        with open(os.path.join(os.environ["OUT"], f"gpu_sweep_{backend}_{dtype_name}.json"), "w") as f:
             json.dump(summary, f)
     assert rows >= 10_000 and out_of_tol == 0 and lse_out == 0 and nans == 0, summary

@@ -101,3 +101,18 @@ def test_committed_h200_bundle_reaches_the_top_and_matches_its_source():
             if shown.returncode:  # a shallow clone without that commit: the hash cannot be checked here
                 pytest.skip(f"commit {b['source']['commit']} is not in this clone")
             assert hashlib.sha256(shown.stdout).hexdigest() == link["sha256"], link["path"]
+
+
+def test_in_program_timing_makes_every_call_on_its_own_copy():
+    """Each sample is one program of `calls` calls; the copies keep XLA from sharing their work."""
+    import jax.numpy as jnp
+
+    first_args = []
+
+    def fn(x, w):
+        first_args.append(x.shape)  # runs once per call while the program is traced
+        return x @ w
+
+    samples = evidence.timed_samples_in_program(fn, (jnp.ones((4, 8)), jnp.ones((8, 2))), samples=3, calls=5, warmup=1)
+    assert first_args == [(4, 8)] * 5
+    assert len(samples) == 3 and all(s > 0 for s in samples)
