@@ -162,21 +162,15 @@ def profile_engine_steps(engine, steps: int) -> dict:
     dispatched in it: with overlap_decode, `steps` engine steps dispatch steps + 1 (the first
     also dispatches the step it reads), and the figures are per dispatched step.
     """
-    import jax
+    from benchmarks.profile_summary import traced_device_activity
 
-    from benchmarks.profile_summary import device_activity
-
-    engine.drain()
-    trace_dir = tempfile.mkdtemp(prefix="decodejax_e2e_trace_")
-    t = time.perf_counter()
-    with jax.profiler.trace(trace_dir):
+    def run():
         for _ in range(steps):
             engine.step()
         engine.drain()
-    dispatched = steps + 1 if engine.config.overlap_decode else steps
-    summary = device_activity(trace_dir, dispatched)
-    summary["wall_ms_per_step_traced"] = (time.perf_counter() - t) * 1e3 / dispatched
-    return summary
+
+    engine.drain()
+    return traced_device_activity(run, steps + 1 if engine.config.overlap_decode else steps)
 
 
 def attach_peer_ratios(rows: list[dict], peer_rows: list[dict]) -> None:

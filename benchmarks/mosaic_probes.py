@@ -52,19 +52,12 @@ def _bottleneck_variants(k, v):
 
 def _device_activity(fn, *args, calls: int = 20) -> dict:
     """GPU time per call by kernel name, from a jax.profiler trace of `calls` calls."""
-    import tempfile
-
     import jax
 
-    from benchmarks.profile_summary import device_activity
+    from benchmarks.profile_summary import traced_device_activity
 
     jax.block_until_ready(fn(*args))
-    trace_dir = tempfile.mkdtemp(prefix="decodejax_probe_trace_")
-    with jax.profiler.trace(trace_dir):
-        for _ in range(calls):
-            out = fn(*args)
-        jax.block_until_ready(out)
-    return device_activity(trace_dir, calls)
+    return traced_device_activity(lambda: jax.block_until_ready([fn(*args) for _ in range(calls)]), calls)
 
 
 def main(argv=None):

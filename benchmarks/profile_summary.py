@@ -1,7 +1,6 @@
 """Where a step's device time goes: GPU activity of a jax.profiler trace, summed by name.
 
-    with jax.profiler.trace(trace_dir):
-        ...run N steps...
+    summary = traced_device_activity(run_n_steps, steps=N)  # or, for a trace of your own:
     summary = device_activity(trace_dir, steps=N)
 
 Reads every `*.xplane.pb` under the trace directory with `jax.profiler.ProfileData` and sums
@@ -15,6 +14,8 @@ from __future__ import annotations
 import collections
 import glob
 import os
+import tempfile
+import time
 
 DEVICE_PLANE_PREFIX = "/device:GPU"
 STREAM_LINE_PREFIX = "Stream"
@@ -51,3 +52,17 @@ def device_activity(trace_dir: str, steps: int, top: int = 15) -> dict:
     for path in glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True):
         planes.extend(jax.profiler.ProfileData.from_file(path).planes)
     return summarize_planes(planes, steps, top)
+
+
+def traced_device_activity(run, steps: int, top: int = 15) -> dict:
+    """Calls run() (which must end with its device work done) under a jax.profiler trace and
+    returns its GPU activity per step, `steps` being the steps run() made, with the wall time
+    per step from the trace's start to its end (`wall_ms_per_step_traced`)."""
+    import jax
+
+    trace_dir = tempfile.mkdtemp(prefix="decodejax_trace_")
+    t = time.perf_counter()
+    with jax.profiler.trace(trace_dir):
+        run()
+    wall_ms = (time.perf_counter() - t) * 1e3
+    return device_activity(trace_dir, steps, top) | {"wall_ms_per_step_traced": wall_ms / steps}
