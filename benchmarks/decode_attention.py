@@ -7,11 +7,14 @@
 Each variant is timed as SAMPLES samples of REPS back-to-back calls followed by
 block_until_ready (`samples_us`, the figure every table and ratio uses); FlashInfer runs under
 PyTorch in its own process (benchmarks.peers.flashinfer_decode) on data built by the same
-`make_case`, timed the same way (its plan() once, outside the timing; our split bounds are
-computed inside every call). Second figures, in the JSON only: REPS calls compiled into one
-jitted program per sample (`in_program_samples_us`), and FlashInfer's REPS runs in one CUDA
-graph (`graph_samples_us`). Raw samples are microseconds per call. Effective bandwidth is unique
-K/V bytes over the median time, against the H200's 4.8 TB/s datasheet figure.
+`make_case`, timed the same way (`flashinfer_wall/`: perf_counter around REPS runs and a sync)
+and with CUDA events around other runs of REPS (`flashinfer/`: its GPU time, without the
+host's first dispatch and the final sync). Its plan() runs once, outside the timing; our split
+bounds are computed inside every call. Second figures, in the JSON only: FlashInfer's REPS
+runs in one CUDA graph (`graph_samples_us`) and, with --in-program, REPS of our calls compiled
+into one jitted program per sample (`in_program_samples_us`; one more compile per variant).
+Raw samples are microseconds per call. Effective bandwidth is unique K/V bytes over the median time,
+against the H200's 4.8 TB/s datasheet figure.
 """
 
 from __future__ import annotations
@@ -25,8 +28,9 @@ import platform
 import numpy as np
 
 from benchmarks import cases as bench_cases
+from benchmarks.cases import REPS, SAMPLES
 
-SAMPLES, REPS, WARMUP = 30, 10, 3
+WARMUP = 3
 DATASHEET_TBPS = 4.8
 SPLIT_SWEEP = (1, 2, 4, 8, 16, 32, 64)
 BUILTIN_K_SPLITS = (1, 2, 4, 8, 16)
@@ -56,7 +60,8 @@ def summarize(samples, nbytes):
     return {"samples_us": samples, "median_us": med, "min_us": lo, "tbps_median": nbytes / med / 1e6, "tbps_min_time": nbytes / lo / 1e6}
 
 
-def run_case(case, results, sweep: bool, tune: bool = False, ours_only: bool = False, tune_mosaic: bool = False):
+def run_case(case, results, sweep: bool, tune: bool = False, ours_only: bool = False, tune_mosaic: bool = False,
+             in_program: bool = False):
     import jax
     import jax.numpy as jnp
     from jax.experimental.pallas.ops.gpu import paged_attention as builtin
@@ -83,11 +88,12 @@ def run_case(case, results, sweep: bool, tune: bool = False, ours_only: bool = F
             out = fn(*args)
             err = float(np.max(np.abs(np.asarray(out, np.float32) - ref_o)))
             stats = summarize(time_jax(fn, *args), nbytes)
-            in_program = time_in_program(fn, *args)
-            stats |= {"in_program_samples_us": in_program, "in_program_median_us": float(np.median(in_program))}
+            if in_program:
+                samples = time_in_program(fn, *args)
+                stats |= {"in_program_samples_us": samples, "in_program_median_us": float(np.median(samples))}
             entry["variants"][name] = {"max_abs_err_vs_reference": err, **stats}
             print(f"{case.name:24s} {name:34s} {stats['median_us']:9.1f} us  {stats['tbps_median']:5.2f} TB/s  "
-                  f"(in one program {stats['in_program_median_us']:.1f} us)  err {err:.2e}", flush=True)
+                  f"err {err:.2e}", flush=True)
         except Exception as exc:  # a peer that cannot run this shape is recorded, not hidden
             entry["variants"][name] = {"error": repr(exc)[:600]}
             print(f"{case.name:24s} {name:34s} ERROR {repr(exc)[:200]}", flush=True)
@@ -154,6 +160,7 @@ def main(argv=None):
     parser.add_argument("--tune", default="", help="comma-separated case names to sweep DecodeConfig on")
     parser.add_argument("--tune-mosaic", default="", help="comma-separated case names to sweep MosaicDecodeConfig on")
     parser.add_argument("--ours-only", action="store_true", help="time decodejax's default (auto) variants alone")
+    parser.add_argument("--in-program", action="store_true", help="also time REPS calls compiled into one program")
     args = parser.parse_args(argv)
     if args.report:
         results = json.load(open(args.report))
@@ -171,8 +178,9 @@ def main(argv=None):
         "machine": {"device": jax.devices()[0].device_kind, "platform": platform.platform(), "python": platform.python_version(), "jax": jax.__version__},
         "method": {"samples": SAMPLES, "reps_per_sample": REPS, "warmup": WARMUP, "unit": "microseconds per call", "datasheet_tbps": DATASHEET_TBPS,
                    "samples_us": f"{REPS} back-to-back jitted calls per sample, then a sync",
-                   "in_program_samples_us": f"one jitted program of {REPS} calls per sample, then a sync",
-                   "flashinfer": "samples_us: REPS back-to-back runs; graph_samples_us: one CUDA graph of REPS runs"},
+                   **({"in_program_samples_us": f"one jitted program of {REPS} calls per sample, then a sync"} if args.in_program else {}),
+                   "flashinfer": "flashinfer/: CUDA events around REPS back-to-back runs; flashinfer_wall/: perf_counter around "
+                                 "REPS runs and a sync, as ours; graph_samples_us: one CUDA graph of REPS runs"},
         "cases": {},
     }
     try:
@@ -185,7 +193,7 @@ def main(argv=None):
     for case in bench_cases.CASES:
         if not wanted or case.name in wanted:
             run_case(case, results, sweep="target" in case.tags and not args.ours_only, tune=case.name in args.tune.split(","),
-                     ours_only=args.ours_only, tune_mosaic=case.name in args.tune_mosaic.split(","))
+                     ours_only=args.ours_only, tune_mosaic=case.name in args.tune_mosaic.split(","), in_program=args.in_program)
             json.dump(results, open(args.out, "w"), indent=1)
     finish(results, args.flashinfer, args.out)
 
@@ -214,6 +222,8 @@ def finish(results, flashinfer_json: str | None, out_path: str) -> None:
         for name, entry in results["cases"].items():
             for tc in (False, True):
                 raw = fi.get(f"{name}/tensor_cores={tc}", {})
+                if "wall_samples_us" in raw:
+                    entry["variants"][f"flashinfer_wall/tensor_cores={tc}"] = summarize(raw["wall_samples_us"], entry["kv_bytes"])
                 if "samples_us" in raw:
                     entry["variants"][f"flashinfer/tensor_cores={tc}"] = {
                         **summarize(raw["samples_us"], entry["kv_bytes"]),
@@ -228,7 +238,7 @@ def finish(results, flashinfer_json: str | None, out_path: str) -> None:
     print(render_table(results))
 
 
-PEERS = {"flashinfer": "flashinfer/", "jax_builtin_pallas": "jax_builtin_pallas/", "cudnn_contiguous": "cudnn_contiguous", "xla_gather_reference": "xla_gather_reference"}
+PEERS = {"flashinfer": "flashinfer/", "flashinfer_wall": "flashinfer_wall/", "jax_builtin_pallas": "jax_builtin_pallas/", "cudnn_contiguous": "cudnn_contiguous", "xla_gather_reference": "xla_gather_reference"}
 
 
 def comparisons(results) -> dict:
@@ -271,26 +281,32 @@ def render_table(results) -> str:
         f"{results['method']['samples']} samples x {results['method']['reps_per_sample']} back-to-back calls; "
         "TB/s = unique K/V bytes / median time (datasheet 4.8 TB/s).",
         "",
-        "| case | decodejax (auto, NHD) us med / min | TB/s | best decodejax | JAX builtin Pallas (best k_splits) | XLA gather | cuDNN contiguous | FlashInfer best | ours vs builtin | ours vs FlashInfer |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "FlashInfer twice: by the host's clock as ours (`flashinfer_wall/`), and by CUDA events around runs of the same length "
+        "(`flashinfer/`).",
+        "",
+        "| case | decodejax (auto, NHD) us med / min | TB/s | best decodejax | JAX builtin Pallas (best k_splits) | XLA gather | cuDNN contiguous "
+        "| FlashInfer best, host clock | FlashInfer best, CUDA events | ours vs builtin | ours vs FlashInfer (host clock) | ours vs FlashInfer (events) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, entry in results["cases"].items():
         var = entry["variants"]
         auto = var.get("decodejax/nhd/auto", {})
         if "median_us" not in auto:
-            lines.append(f"| {name} | error | | | | | | | | |")
+            lines.append(f"| {name} | error | | | | | | | | | | |")
             continue
         best_name, best = _best(var, "decodejax/")
         bi_name, bi = _best(var, "jax_builtin_pallas/")
         fi_name, fi = _best(var, "flashinfer/")
+        fw_name, fw = _best(var, "flashinfer_wall/")
         fmt = lambda v: f"{v['median_us']:.1f}" if v and "median_us" in v else "n/a"
+        setting = lambda name: f" ({name.split('/')[1]})" if name else ""
         ratio = lambda peer: f"{peer['median_us'] / auto['median_us']:.2f}x" if peer else "n/a"
         lines.append(
             f"| {name} | {auto['median_us']:.1f} / {auto['min_us']:.1f} | {auto['tbps_median']:.2f} | "
             f"{best['median_us']:.1f} ({best_name.split('/', 1)[1]}) | "
             f"{fmt(bi)}{' (' + bi_name.split('=')[1] + ')' if bi else ''} | {fmt(var.get('xla_gather_reference'))} | "
-            f"{fmt(var.get('cudnn_contiguous'))} | {fmt(fi)}{' (' + fi_name.split('/')[1] + ')' if fi else ''} | "
-            f"{ratio(bi)} | {ratio(fi)} |"
+            f"{fmt(var.get('cudnn_contiguous'))} | {fmt(fw)}{setting(fw_name)} | {fmt(fi)}{setting(fi_name)} | "
+            f"{ratio(bi)} | {ratio(fw)} | {ratio(fi)} |"
         )
     if results.get("comparisons"):
         lines += ["", "Speedup of decodejax (auto) over each peer's best variant on the five target shapes "

@@ -1,10 +1,11 @@
-"""Questions about the Mosaic GPU decode kernel, timed beside the Triton kernel on the GPU.
+"""Questions about the decode kernels' speed (the Mosaic GPU kernel beside the Triton kernel) on the GPU.
 
     python -m benchmarks.mosaic_probes layout  OUT.json   # NHD against HND pools (B 32, B 128)
     python -m benchmarks.mosaic_probes configs OUT.json   # ring slots and warpgroups (B 1, 32, 128)
     python -m benchmarks.mosaic_probes bottleneck OUT.json  # the kernel with parts of its work removed
     python -m benchmarks.mosaic_probes splits OUT.json   # split counts, i.e. programs and waves per SM
     python -m benchmarks.mosaic_probes profile OUT.json  # GPU time per kernel of one decode call
+    python -m benchmarks.mosaic_probes dispatch OUT.json  # host time per call, and the wall time by run length
 
 `layout`: are strided page copies (NHD rows are H_kv * D apart) what holds the kernel back?
 `configs`: do configs small enough for two programs per SM (80 KiB of shared memory) beat the
@@ -12,8 +13,11 @@ default (one program per SM)? `bottleneck`: how fast is the kernel with its matr
 its softmax, or both replaced by constants (outputs wrong, bytes moved the same), and with three
 compute warpgroups? `splits`: the kernel holds one program per SM; how does its speed follow the
 number of programs (waves) and their length, GQA against MHA? `profile`: of a call's time, how
-much is the decode kernel and how much the small XLA kernels around it (bounds, merge)? Same
-timing method as `decode_attention.py` (`time_jax`: back-to-back calls).
+much is the decode kernel and how much the small XLA kernels around it (bounds, merge)?
+`dispatch`: is a call host-bound? The host's time to issue a call (no sync) against the wall
+time per call of runs of 10 to 200 back-to-back calls, beside a one-op jitted function of the
+same arguments (JAX's dispatch floor). Same timing method as `decode_attention.py` (`time_jax`:
+back-to-back calls) unless a question says otherwise.
 """
 
 from __future__ import annotations
@@ -60,6 +64,30 @@ def _device_activity(fn, *args, calls: int = 20) -> dict:
     return traced_device_activity(lambda: jax.block_until_ready([fn(*args) for _ in range(calls)]), calls)
 
 
+def _dispatch_timings(fn, args, runs=(10, 50, 200), samples: int = 15) -> dict:
+    """Median microseconds per call: to issue it (`host_us`, no sync) and, per run length n, the
+    wall time of n back-to-back calls and one sync, divided by n (`wall_us_by_run`)."""
+    import time
+
+    import jax
+    import numpy as np
+
+    for _ in range(3):
+        jax.block_until_ready(fn(*args))
+    host, wall = [], {n: [] for n in runs}
+    for _ in range(samples):
+        for n in runs:
+            t0 = time.perf_counter()
+            for _ in range(n):
+                result = fn(*args)
+            issued = time.perf_counter()
+            jax.block_until_ready(result)
+            wall[n].append((time.perf_counter() - t0) * 1e6 / n)
+            if n == max(runs):
+                host.append((issued - t0) * 1e6 / n)
+    return {"host_us": float(np.median(host)), "wall_us_by_run": {n: float(np.median(w)) for n, w in wall.items()}}
+
+
 def main(argv=None):
     import jax
     import jax.numpy as jnp
@@ -76,7 +104,8 @@ def main(argv=None):
     shapes = {"layout": ((32, 4096), (128, 1024)), "configs": ((1, 32768), (32, 4096), (128, 1024)),
               "bottleneck": ((8, 8192), (32, 4096), (128, 1024), (32, 4096, 64)),
               "splits": ((1, 32768), (8, 8192), (32, 4096), (128, 1024), (128, 4096), (32, 4096, 128, 32)),
-              "profile": ((1, 32768), (8, 8192), (32, 4096), (128, 1024))}[question]
+              "profile": ((1, 32768), (8, 8192), (32, 4096), (128, 1024)),
+              "dispatch": ((1, 32768), (8, 8192), (32, 4096), (128, 1024))}[question]
     out = {}
     for batch, length, *rest in shapes:
         head_dim, kv_heads = (rest + [128, 8][len(rest):])[:2]  # defaults: D 128, 8 K/V heads
@@ -96,6 +125,13 @@ def main(argv=None):
                 variants[f"mgpu/bk={block_k},st={stages},wg={warpgroups}"] = (dict(backend="pallas_mosaic_gpu", config=config), k, v, ())
         elif question == "profile":
             variants["mgpu/auto"] = (dict(backend="pallas_mosaic_gpu"), k, v, ())
+        elif question == "dispatch":
+            floor = jax.jit(lambda q, k, v, table, lens: q * 2)
+            out[f"{case.name}/one_op_floor"] = _dispatch_timings(floor, (q, k, v, table, lens))
+            fn = jax.jit(functools.partial(decodejax.decode_attention, backend="pallas_triton"))
+            out[f"{case.name}/triton/nhd"] = _dispatch_timings(fn, (q, k, v, table, lens))
+            print(case.name, json.dumps(out[f"{case.name}/one_op_floor"]), json.dumps(out[f"{case.name}/triton/nhd"]), flush=True)
+            continue
         elif question == "bottleneck":
             variants.update(_bottleneck_variants(k, v))
         else:

@@ -12,8 +12,11 @@
 #   e2e       llama3-8b engine decode, with a GPU-time profile per shape -> e2e_decode.json
 #   peer      transformers generate on the e2e shapes (own process) -> hf.json
 #   startup   capture time of fresh processes, cold then warm cache -> e2e_startup.json
-# FlashInfer needs its wheels in .whl (../shared/tools/fetch_peer_wheels.sh); the device call
-# carries that folder. DECODEJAX_SOURCE_COMMIT names the commit sent (the copy's .git may lag).
+# FlashInfer needs its wheels (../shared/tools/fetch_peer_wheels.sh): in .whl, or, since the
+# FlashInfer wheel alone nearly fills a device call's 64 MiB, unzipped and packed as
+# .whl_fi/fi_site.tar.xz (flashinfer_python + apache_tvm_ffi, 19 MB) beside the other wheels it
+# needs (cuda_tile); the device call carries that folder. DECODEJAX_SOURCE_COMMIT names the
+# commit sent (the copy's .git may lag).
 set -euo pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -30,8 +33,13 @@ for stage in "$@"; do
     models)
       python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" tests/test_append_attention.py tests/test_llama_hf.py tests/test_engine.py ;;
     kernel)
-      if [ -d .whl ]; then
+      if [ -f .whl_fi/fi_site.tar.xz ]; then  # the wheels unpacked and xz-packed: small enough to travel
+        mkdir -p /tmp/site && tar -xJf .whl_fi/fi_site.tar.xz -C /tmp/site
+        python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl_fi/*.whl
+      elif [ -d .whl ]; then
         python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+      fi
+      if [ -d /tmp/site/flashinfer ]; then
         PYTHONPATH=$PYTHONPATH:/tmp/site python3 -m benchmarks.peers.flashinfer_decode "$OUT/fi.json"
       fi
       peer=(); if [ -f "$OUT/fi.json" ]; then peer=(--flashinfer "$OUT/fi.json"); fi

@@ -215,23 +215,27 @@ def _attention_pallas(q, k_pages, v_pages, page_table, seq_lens, *, layout, cach
         raise ValueError(f"config={config!r} does not configure this backend's kernel (a {config_type.__name__})")
     config = kernel.default_config(D) if config is None else config
     plan = decode_plan(B, H_kv, page_table.shape[1] * P, config.block_k, num_splits=num_splits, deterministic=deterministic, head_dim=D)
-    start, end = plan.bounds(seq_lens.astype(jnp.int32))
-    rows = jnp.arange(B, dtype=jnp.int32) if cache_batch_idx is None else cache_batch_idx.astype(jnp.int32)
-    part_o, part_lse = kernel.paged_decode_partials(
-        q, k_pages, v_pages, page_table.astype(jnp.int32), seq_lens.astype(jnp.int32), rows, start, end,
-        layout=layout, sm_scale=sm_scale, soft_cap=None if soft_cap is None else float(soft_cap),
-        mask=mask, config=config, interpret=interpret,
-    )
-    if plan.capacity == 1:
-        o, lse = part_o[:, :, 0].astype(q.dtype), part_lse[:, :, 0]
-    elif mosaic:  # the Mosaic path keeps clear of Triton: XLA fuses the (small) merge
-        o, lse = _merge_xla(part_o, part_lse)
-        o = o.astype(q.dtype)
+    seq_lens, page_table = seq_lens.astype(jnp.int32), page_table.astype(jnp.int32)
+    cache_rows = None if cache_batch_idx is None else cache_batch_idx.astype(jnp.int32)
+    options = dict(layout=layout, sm_scale=sm_scale, soft_cap=None if soft_cap is None else float(soft_cap), mask=mask,
+                   config=config, interpret=interpret)
+    if not (mosaic or return_partial_states):  # one or two launches, no XLA around them
+        o, lse = kernel.paged_decode(q, k_pages, v_pages, page_table, seq_lens, cache_rows, plan=plan, **options)
     else:
-        from pallas_kernels import merge_states as merge_kernel
-
-        o, lse = merge_kernel.merge_states(part_o, part_lse, out_dtype=q.dtype, interpret=interpret)
-    out = (o, lse) if return_lse else (o,)
+        if mosaic:  # the Mosaic path keeps clear of Triton: XLA builds its bounds and fuses the (small) merge
+            start, end = plan.bounds(seq_lens)
+            rows = jnp.arange(B, dtype=jnp.int32) if cache_rows is None else cache_rows
+            part_o, part_lse = kernel.paged_decode_partials(q, k_pages, v_pages, page_table, seq_lens, rows, start, end, **options)
+        else:
+            part_o, part_lse = kernel.paged_decode(q, k_pages, v_pages, page_table, seq_lens, cache_rows, plan=plan,
+                                                   partial_states=True, **options)
+        if plan.capacity == 1:
+            o, lse = part_o[:, :, 0], part_lse[:, :, 0]
+        elif mosaic:
+            o, lse = _merge_xla(part_o, part_lse)
+        else:
+            o, lse = _merge_pallas(part_o, part_lse, interpret=interpret)
+    out = (o.astype(q.dtype), lse) if return_lse else (o.astype(q.dtype),)
     if return_partial_states:
         out = out + (split_state.LseState(valid=part_lse > -jnp.inf, lse=part_lse, o=part_o),)
     return out if len(out) > 1 else out[0]

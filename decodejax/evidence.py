@@ -42,7 +42,7 @@ KERNEL_NAMES = {"pallas_triton": "decodejax_paged_decode", "pallas_triton_interp
 SOURCE_CHAIN = (
     ("decodejax/_ops.py", "def decode_attention("),
     ("decodejax/dispatch.py", "def select("),
-    ("pallas_kernels/decode_attention.py", "def paged_decode_partials("),
+    ("pallas_kernels/decode_attention.py", "def paged_decode("),
     ("pallas_kernels/decode_attention.py", 'name="decodejax_paged_decode"'),
     ("pallas_kernels/paged_blocks.py", "def online_softmax_step("),
 )

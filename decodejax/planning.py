@@ -7,7 +7,9 @@ Slots beyond a request's splits (up to the plan's capacity) are EMPTY: start == 
     splits:     [s0      )[s1      )[s2     )[s3     )  (empty)(empty)
                  q+1       q+1       q        q        capacity - S slots
 
-Bounds functions work on numpy and jax arrays, so kernels receive them as i32[B, S] inputs.
+Bounds functions work on numpy and jax arrays: the Mosaic kernel receives them as i32[B, S]
+inputs, and the Triton kernel evaluates `SplitPlan.slot_bounds` (the same elementwise formula)
+for its own slot.
 """
 
 from __future__ import annotations
@@ -49,6 +51,11 @@ def balanced_split_bounds(lengths, num_splits: int, active=None):
     t = xp.asarray(lengths).astype(xp.int32)[:, None]
     s = xp.arange(num_splits, dtype=xp.int32)[None, :]
     n = num_splits if active is None else xp.clip(xp.asarray(active).astype(xp.int32), 1, num_splits)[:, None]
+    return _balanced_slot(xp, t, s, n)
+
+
+def _balanced_slot(xp, t, s, n):
+    """Elementwise (start, end) of slot s of t units balanced over the first n slots; s >= n is EMPTY."""
     q, r = t // n, t % n
     used = s < n
     start = xp.where(used, s * q + xp.minimum(s, r), t)
@@ -65,7 +72,12 @@ def adaptive_split_counts(blocks, num_splits: int, target_splits: int):
     """
     xp = _xp(blocks)
     blocks = xp.asarray(blocks).astype(xp.int32)
-    chunk = xp.maximum(1, -(-xp.sum(blocks) // max(1, target_splits)))
+    return _adaptive_count(xp, blocks, xp.sum(blocks), num_splits, target_splits)
+
+
+def _adaptive_count(xp, blocks, total_blocks, num_splits: int, target_splits: int):
+    """Elementwise splits of a request of `blocks` blocks in a batch of `total_blocks` in all."""
+    chunk = xp.maximum(1, -(-total_blocks // max(1, target_splits)))
     return xp.clip(-(-blocks // chunk), 1, num_splits).astype(xp.int32)
 
 
@@ -86,10 +98,12 @@ def fixed_chunk_bounds(lengths, chunk: int, num_splits: int | None = None):
     t = xp.asarray(lengths).astype(xp.int32)
     if num_splits is None:
         num_splits = max(1, -(-int(np.max(t, initial=0)) // chunk))
-    s = xp.arange(num_splits, dtype=xp.int32)[None, :]
-    start = xp.minimum(s * chunk, t[:, None])
-    end = xp.minimum((s + 1) * chunk, t[:, None])
-    return start, end
+    return _chunk_slot(xp, t[:, None], xp.arange(num_splits, dtype=xp.int32)[None, :], chunk)
+
+
+def _chunk_slot(xp, t, s, chunk: int):
+    """Elementwise (start, end) of chunk s of t tokens: [s C, (s + 1) C) clipped to t."""
+    return xp.minimum(s * chunk, t), xp.minimum((s + 1) * chunk, t)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,28 +150,38 @@ class SplitPlan:
 
     def bounds(self, lengths):
         """(start, end), each i32[B, capacity]; EMPTY slots have start == end."""
-        if self.policy == "fixed_chunk":
-            start, end = fixed_chunk_bounds(lengths, self.chunk, self.capacity)
-            xp = _xp(lengths)
-            # A request longer than capacity chunks would lose tokens: fail loudly on host.
-            if xp is np and np.any(np.asarray(lengths) > self.capacity * self.chunk):
-                raise PlanMismatch(
-                    f"lengths up to {int(np.max(lengths))} exceed capacity {self.capacity} x chunk {self.chunk}"
-                )
-            return start, end
         xp = _xp(lengths)
         t = xp.asarray(lengths).astype(xp.int32)
-        blocks = -(-t // self.align)
-        active = None if self.target_splits is None else adaptive_split_counts(blocks, self.num_splits, self.target_splits)
-        start, end = balanced_split_bounds(blocks, self.num_splits, active)
-        start = xp.minimum(start * self.align, t[:, None])
-        end = xp.minimum(end * self.align, t[:, None])
-        pad = self.capacity - self.num_splits
-        if pad:
-            tail = xp.broadcast_to(end[:, -1:], (end.shape[0], pad))
-            start = xp.concatenate([start, tail], axis=1)
-            end = xp.concatenate([end, tail], axis=1)
-        return start, end
+        if self.policy == "fixed_chunk" and xp is np and np.any(t > self.capacity * self.chunk):
+            # A request longer than capacity chunks would lose tokens: fail loudly on host.
+            raise PlanMismatch(f"lengths up to {int(np.max(t))} exceed capacity {self.capacity} x chunk {self.chunk}")
+        slots = xp.arange(self.capacity, dtype=xp.int32)[None, :]
+        return self.slot_bounds(xp, t[:, None], slots, self.total_blocks(xp, t))
+
+    @property
+    def adapts_to_batch(self) -> bool:
+        """Whether a request's bounds depend on the batch's lengths (balanced with target_splits)."""
+        return self.policy == "balanced" and self.target_splits is not None
+
+    def total_blocks(self, xp, lengths):
+        """The batch's blocks of `align` tokens in all, which adaptive split counts divide up
+        (None unless `adapts_to_batch`: then no slot depends on its neighbours)."""
+        if not self.adapts_to_batch:
+            return None
+        return xp.sum(-(-lengths // self.align))
+
+    def slot_bounds(self, xp, lengths, slots, total_blocks):
+        """(start, end) of split slot `slots` of requests of `lengths` tokens, elementwise over
+        their broadcast: `bounds` for all slots at once, or a kernel program for its own slot
+        (xp = jax.numpy on traced scalars). total_blocks: `self.total_blocks` of the batch."""
+        if self.policy == "fixed_chunk":
+            return _chunk_slot(xp, lengths, slots, self.chunk)
+        blocks = -(-lengths // self.align)
+        active = (self.num_splits if total_blocks is None
+                  else _adaptive_count(xp, blocks, total_blocks, self.num_splits, self.target_splits))
+        # Slots past num_splits (capacity padding) are past `active` too: EMPTY at T_b.
+        start, end = _balanced_slot(xp, blocks, slots, active)
+        return xp.minimum(start * self.align, lengths), xp.minimum(end * self.align, lengths)
 
     def producer_grid(self, batch: int, kv_heads: int) -> tuple[int, int, int]:
         """(B, H_kv, S_capacity): one program per (request, K/V head, split slot)."""

@@ -1,9 +1,10 @@
 """Paged split-KV decode attention (Pallas, Triton lowering): the producer kernel.
 
-One program owns (request b, K/V head h, split slot s). It loads the G = H_q / H_kv query
-rows of that K/V head once and streams the split's key range [start, end) in blocks of
-`block_k` tokens; every query head of the group shares each K/V load (GQA). Each token's
-row is found through the page table, so any page size works:
+One program owns (request b, K/V head h, split slot s). It finds its key range [start, end)
+from the static split plan (`SplitPlan.slot_bounds`), loads the G = H_q / H_kv query rows of
+that K/V head once and streams the range in blocks of `block_k` tokens; every query head of
+the group shares each K/V load (GQA). Each token's row is found through the page table, so
+any page size works:
 
     token t of request b:  page = table[c, t // P], r = t % P,  c = cache_batch_idx[b]
     PAGED_NHD pool [num_pages, P, H_kv, D] -> flat row (page P + r) H_kv + h
@@ -12,7 +13,8 @@ row is found through the page table, so any page size works:
 Loads of tokens outside [start, end) or invisible to the query (length, window, sinks) are
 masked, so they touch no memory: page tails, unused pages and the null page are never read.
 The program writes its split's normalized partial state (o, lse) in float32; an EMPTY split
-writes (0, -inf). `merge_states` reduces the slots. Its pure-jnp twin is
+writes (0, -inf); `merge_states` reduces the slots. With a plan of one slot the program
+writes the output itself (`paged_decode`). Its pure-jnp twin is
 `decodejax.reference.paged_decode`.
 """
 
@@ -28,6 +30,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from decodejax.addressing import KVLayout, pool_geometry
 from decodejax.masks import DecodeMask, visible
+from decodejax.planning import SplitPlan
+from pallas_kernels.merge_states import merge_states
 from pallas_kernels.paged_blocks import finish, initial_carry, load_kv_block, online_softmax_step
 
 MIN_DOT_ROWS = 16  # Triton dots need >= 16 rows: the G query rows are padded to this.
@@ -63,12 +67,8 @@ def _decode_kernel(
     v_ref,  # [num_pages * P * H_kv, D]
     table_ref,  # i32[B_c, W]
     seq_lens_ref,  # i32[B]
-    cache_idx_ref,  # i32[B]
-    start_ref,  # i32[B, S]
-    end_ref,  # i32[B, S]
-    o_ref,  # f32[B, H_kv, 16, S, D]  group rows padded to 16
-    lse_ref,  # f32[B, H_kv, 16, S]
-    *,
+    *refs,  # (cache_idx_ref i32[B] when remapped,) o_ref, lse_ref: f32[B, H_q, S, D], f32[B, H_q, S]
+    #         (partials) or [B, H_q, D] in q.dtype, f32[B, H_q] (`final`: a plan of one slot)
     group: int,
     num_kv_heads: int,
     page_size: int,
@@ -77,12 +77,25 @@ def _decode_kernel(
     sm_scale: float,
     soft_cap: float | None,
     mask: DecodeMask,
+    plan: SplitPlan,
+    remapped: bool,
+    final: bool,
 ):
+    cache_idx_ref, o_ref, lse_ref = refs if remapped else (None, *refs)
     b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     d = q_ref.shape[-1]
     seq_len = seq_lens_ref[b]
-    c = cache_idx_ref[b]
-    start, end = start_ref[b, s], end_ref[b, s]
+    c = cache_idx_ref[b] if remapped else b
+    # The program finds its own split from the plan: no bounds arrays (and no XLA kernels to
+    # build them) before the launch. Adaptive plans divide the batch's blocks, so each program
+    # sums them itself (B loads from L2, next to the split's K/V stream).
+    total_blocks = None
+    if plan.adapts_to_batch:
+        batch = seq_lens_ref.shape[0]
+        requests = jnp.arange(1 << (batch - 1).bit_length())
+        lengths = plgpu.load(seq_lens_ref.at[jnp.minimum(requests, batch - 1)], mask=requests < batch, other=0)
+        total_blocks = plan.total_blocks(jnp, lengths)
+    start, end = plan.slot_bounds(jnp, seq_len, s, total_blocks)
     q_pos = seq_len - 1
 
     # Refs are indexed with arrays only (no slices), the form Pallas interpret mode can gather.
@@ -102,36 +115,21 @@ def _decode_kernel(
     steps = pl.cdiv(end - (start // block_k) * block_k, block_k)
     steps = jnp.where(end > start, steps, 0)
     o, lse = finish(*jax.lax.fori_loop(0, steps, body, initial_carry(MIN_DOT_ROWS, d)))
-    # Padded rows have their own (never read) slots, so no two lanes of a store alias.
-    plgpu.store(o_ref.at[b, h, g[:, None], s, lanes], o, mask=g_live[:, None])
-    plgpu.store(lse_ref.at[b, h, g, s], lse, mask=g_live)
+    # Rows past the group are masked. Their indices are another head's rows or past H_q, never
+    # a row of this store: interpret mode's masked store writes back what it read there and
+    # drops what is out of range (a clamped index would alias a live row), the GPU writes nothing.
+    rows = h * group + g
+    if final:
+        plgpu.store(o_ref.at[b, rows[:, None], lanes], o.astype(o_ref.dtype), mask=g_live[:, None])
+        plgpu.store(lse_ref.at[b, rows], lse, mask=g_live)
+    else:
+        plgpu.store(o_ref.at[b, rows[:, None], s, lanes], o, mask=g_live[:, None])
+        plgpu.store(lse_ref.at[b, rows, s], lse, mask=g_live)
 
 
-@functools.partial(
-    jax.jit, static_argnames=("layout", "sm_scale", "soft_cap", "mask", "config", "interpret")
-)
-def paged_decode_partials(
-    q: jax.Array,  # [B, H_q, D]
-    k_pages: jax.Array,  # PAGED_NHD [num_pages, P, H_kv, D] or PAGED_HND [num_pages, H_kv, P, D]
-    v_pages: jax.Array,
-    page_table: jax.Array,  # i32[B_c, W]
-    seq_lens: jax.Array,  # i32[B]
-    cache_batch_idx: jax.Array,  # i32[B]
-    split_start: jax.Array,  # i32[B, S]
-    split_end: jax.Array,  # i32[B, S]
-    *,
-    layout: KVLayout,
-    sm_scale: float,
-    soft_cap: float | None,
-    mask: DecodeMask,
-    config: DecodeConfig,
-    interpret: bool = False,
-) -> tuple[jax.Array, jax.Array]:
-    """Partial states of every split: (o f32[B, H_q, S, D], lse f32[B, H_q, S]).
-
-    Shapes and dtypes are checked by the public op `decodejax.decode_attention`; this wrapper
-    only checks what the kernel itself assumes.
-    """
+def _launch(q, k_pages, v_pages, page_table, seq_lens, cache_batch_idx, *, layout, sm_scale, soft_cap, mask, config, plan,
+            interpret, final):
+    """One pallas_call of the kernel over the grid (B, H_kv, S); `final` only with one slot."""
     B, H_q, D = q.shape
     num_pages, P, H_kv, _ = pool_geometry(k_pages, layout)
     if D & (D - 1) or config.block_k & (config.block_k - 1):
@@ -139,7 +137,7 @@ def paged_decode_partials(
     group = H_q // H_kv
     if group > MIN_DOT_ROWS:
         raise ValueError(f"group size H_q / H_kv = {group} exceeds {MIN_DOT_ROWS}")
-    S = split_start.shape[1]
+    S = plan.capacity
     kernel = functools.partial(
         _decode_kernel,
         group=group,
@@ -150,26 +148,57 @@ def paged_decode_partials(
         sm_scale=sm_scale,
         soft_cap=soft_cap,
         mask=mask,
+        plan=plan,
+        remapped=cache_batch_idx is not None,
+        final=final,
     )
+    if final:
+        out_shape = (jax.ShapeDtypeStruct((B, H_q, D), q.dtype), jax.ShapeDtypeStruct((B, H_q), jnp.float32))
+    else:
+        out_shape = (jax.ShapeDtypeStruct((B, H_q, S, D), jnp.float32), jax.ShapeDtypeStruct((B, H_q, S), jnp.float32))
     rows = num_pages * P * H_kv
-    o, lse = pl.pallas_call(
+    remap = () if cache_batch_idx is None else (cache_batch_idx,)
+    return pl.pallas_call(
         kernel,
         grid=(B, H_kv, S),
-        out_shape=(
-            jax.ShapeDtypeStruct((B, H_kv, MIN_DOT_ROWS, S, D), jnp.float32),
-            jax.ShapeDtypeStruct((B, H_kv, MIN_DOT_ROWS, S), jnp.float32),
-        ),
+        out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name="decodejax_paged_decode",
-    )(
-        q,
-        k_pages.reshape(rows, D),
-        v_pages.reshape(rows, D),
-        page_table,
-        seq_lens,
-        cache_batch_idx,
-        split_start,
-        split_end,
-    )
-    return o[:, :, :group].reshape(B, H_q, S, D), lse[:, :, :group].reshape(B, H_q, S)
+    )(q, k_pages.reshape(rows, D), v_pages.reshape(rows, D), page_table, seq_lens, *remap)
+
+
+@functools.partial(jax.jit, static_argnames=("layout", "sm_scale", "soft_cap", "mask", "config", "plan", "partial_states",
+                                             "interpret"))
+def paged_decode(
+    q: jax.Array,  # [B, H_q, D]
+    k_pages: jax.Array,  # PAGED_NHD [num_pages, P, H_kv, D] or PAGED_HND [num_pages, H_kv, P, D]
+    v_pages: jax.Array,
+    page_table: jax.Array,  # i32[B_c, W]
+    seq_lens: jax.Array,  # i32[B]
+    cache_batch_idx: jax.Array | None,  # i32[B]; None: request b reads cache row b
+    *,
+    layout: KVLayout,
+    sm_scale: float,
+    soft_cap: float | None,
+    mask: DecodeMask,
+    config: DecodeConfig,
+    plan: SplitPlan,
+    partial_states: bool = False,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """The decode call: (o [B, H_q, D] in q.dtype, lse f32[B, H_q]); with partial_states, the
+    state of every split slot of `plan` instead: (o f32[B, H_q, S, D], lse f32[B, H_q, S]).
+
+    Slot s of request b covers `plan.slot_bounds`, which the kernel computes itself. Every XLA
+    op around a kernel is another launch and more host work per call, so there are none: a plan
+    of one slot is one launch (the kernel writes o), more slots are two (the partial states,
+    then `merge_states`). Shapes and dtypes are checked by the public op
+    `decodejax.decode_attention`; this wrapper only checks what the kernel itself assumes.
+    """
+    args = (q, k_pages, v_pages, page_table, seq_lens, cache_batch_idx)
+    options = dict(layout=layout, sm_scale=sm_scale, soft_cap=soft_cap, mask=mask, config=config, plan=plan, interpret=interpret)
+    if partial_states or plan.capacity > 1:
+        o, lse = _launch(*args, final=False, **options)
+        return (o, lse) if partial_states else merge_states(o, lse, out_dtype=q.dtype, interpret=interpret)
+    return _launch(*args, final=True, **options)

@@ -4,6 +4,9 @@
 on CPU, `test_decode_attention_gpu.py` runs it (and a 10,000-row sweep) on the GPU.
 """
 
+import dataclasses
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,7 +24,9 @@ DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
 def to_device(problem, dtype, layout=KVLayout.PAGED_NHD):
+    """The problem as decode_attention arguments; unremapped problems pass cache_batch_idx=None."""
     k, v = problem["k_pages"], problem["v_pages"]
+    rows = problem["cache_batch_idx"]
     if layout == KVLayout.PAGED_HND:
         k, v = k.swapaxes(1, 2), v.swapaxes(1, 2)
     return dict(
@@ -30,13 +35,13 @@ def to_device(problem, dtype, layout=KVLayout.PAGED_NHD):
         v_pages=jnp.asarray(v, dtype),
         page_table=jnp.asarray(problem["page_table"]),
         seq_lens=jnp.asarray(problem["seq_lens"]),
-        cache_batch_idx=jnp.asarray(problem["cache_batch_idx"]),
+        cache_batch_idx=None if np.array_equal(rows, np.arange(len(rows))) else jnp.asarray(rows),
     )
 
 
 def oracle(args, layout, **options):
     """Reference in float32 on the same (rounded) inputs."""
-    a = {k: (v.astype(jnp.float32) if v.dtype in (jnp.bfloat16, jnp.float16) else v) for k, v in args.items()}
+    a = {k: (v.astype(jnp.float32) if v is not None and v.dtype in (jnp.bfloat16, jnp.float16) else v) for k, v in args.items()}
     mask = DecodeMask(options.get("window_left"), options.get("sinks", 0))
     return reference.paged_decode(
         a["q"], a["k_pages"], a["v_pages"], a["page_table"], a["seq_lens"], layout=layout,
@@ -133,9 +138,10 @@ class DecodeAttentionCases:
         problem = make_problem(self.deterministic_spec, rng, lengths=list(self.deterministic_lengths))
         args = to_device(problem, jnp.bfloat16)
         o_all, lse_all = self.run(args, deterministic=True)
+        rows = jnp.arange(self.deterministic_spec.batch) if args["cache_batch_idx"] is None else args["cache_batch_idx"]
         for b in self.deterministic_rows:
             alone = {k: v[b : b + 1] if k in ("q", "seq_lens") else v for k, v in args.items()}
-            alone["cache_batch_idx"] = args["cache_batch_idx"][b : b + 1]
+            alone["cache_batch_idx"] = rows[b : b + 1]
             o_b, lse_b = self.run(alone, deterministic=True)
             np.testing.assert_array_equal(np.asarray(o_b[0], np.float32), np.asarray(o_all[b], np.float32))
             np.testing.assert_array_equal(np.asarray(lse_b[0]), np.asarray(lse_all[b]))
@@ -148,6 +154,53 @@ class DecodeAttentionCases:
         merged = decodejax.split_state.merge_lse_along(parts, axis=2)
         np.testing.assert_allclose(np.asarray(merged.o), np.asarray(o, np.float32), atol=2e-2)
         np.testing.assert_allclose(np.asarray(merged.lse), np.asarray(lse), atol=1e-5)
+
+    # Long enough that the auto plan's split counts follow the batch's total (85 blocks of 128
+    # against a target of 66 splits): a kernel that summed the lengths wrongly would differ.
+    plan_spec = Spec(batch=4, q_heads=16, kv_heads=8, head_dim=64, page_size=16, width=200)
+    plan_lengths = (3200, 3100, 2900, 1500)
+
+    def block_k(self, head_dim: int) -> int:
+        from pallas_kernels.decode_attention import default_config
+
+        return default_config(head_dim).block_k
+
+    @pytest.mark.parametrize("plan_options", [{}, {"num_splits": 3}, {"deterministic": True}], ids=["auto", "splits=3", "deterministic"])
+    def test_P1_every_slot_holds_its_planned_range(self, plan_options):
+        """Slot s of request b is the attention state of keys [start, end) of `plan.bounds`, the
+        planning contract, whichever side computes the bounds (the Triton kernel does it itself)."""
+        spec = self.plan_spec
+        problem = make_problem(spec, np.random.default_rng(12), lengths=list(self.plan_lengths))
+        args = to_device(problem, jnp.bfloat16)
+        _, _, parts = decodejax.decode_attention(**args, return_lse=True, return_partial_states=True, backend=self.backend,
+                                                 **plan_options)
+        plan = decodejax._ops.decode_plan(spec.batch, spec.kv_heads, spec.width * spec.page_size, self.block_k(spec.head_dim),
+                                          num_splits=plan_options.get("num_splits"),
+                                          deterministic=plan_options.get("deterministic", False), head_dim=spec.head_dim)
+        start, end = plan.bounds(np.asarray(problem["seq_lens"]))
+        assert parts.lse.shape == (spec.batch, spec.q_heads, plan.capacity)
+        if not plan_options and self.plan_spec is DecodeAttentionCases.plan_spec:  # the case the kernel's batch sum serves
+            alone = dataclasses.replace(plan, target_splits=None).bounds(np.asarray(problem["seq_lens"]))
+            assert plan.adapts_to_batch and not np.array_equal(alone[1], end)
+        gathered = {name: np.asarray(decodejax.gather_pages(args[name], args["page_table"], args["seq_lens"], backend="xla",
+                                                            cache_batch_idx=args["cache_batch_idx"]), np.float32)
+                    for name in ("k_pages", "v_pages")}
+        q = np.asarray(args["q"], np.float32).reshape(spec.batch, spec.kv_heads, -1, spec.head_dim)
+        scores = np.einsum("bhgd,bthd->bhgt", q, gathered["k_pages"]) * spec.head_dim**-0.5
+        t = np.arange(scores.shape[-1])
+        in_slot = (t >= start[..., None]) & (t < end[..., None])  # [B, S, T]
+        masked = np.where(in_slot[:, None, None], scores[:, :, :, None], -np.inf)  # [B, H_kv, G, S, T]
+        peak = np.max(masked, axis=-1, keepdims=True)
+        weights = np.exp(masked - np.where(np.isfinite(peak), peak, 0))
+        total = weights.sum(-1)
+        want_lse = np.where(total > 0, np.log(np.where(total > 0, total, 1)) + peak[..., 0], -np.inf)
+        want_o = np.einsum("bhgst,bthd->bhgsd", weights / np.where(total > 0, total, 1)[..., None], gathered["v_pages"])
+        got_lse = np.asarray(parts.lse).reshape(want_lse.shape)
+        got_o = np.asarray(parts.o).reshape(want_o.shape)
+        empty = np.broadcast_to((end <= start)[:, None, None], want_lse.shape)
+        assert np.all(got_lse[empty] == -np.inf) and np.all(np.isfinite(got_lse[~empty]))
+        np.testing.assert_allclose(got_lse[~empty], want_lse[~empty], atol=LSE_ATOL, rtol=0)
+        np.testing.assert_allclose(got_o, np.where(empty[..., None], 0, want_o), atol=2e-2, rtol=2e-2)
 
 
 class TestDecodeAttentionInterpret(DecodeAttentionCases):
@@ -175,6 +228,11 @@ class MosaicDecodeAttentionCases(DecodeAttentionCases):
         ref_o, ref_lse = oracle(args, KVLayout.PAGED_NHD)
         assert_matches_oracle(o, lse, ref_o, ref_lse, "bfloat16", problem["seq_lens"])
 
+    def block_k(self, head_dim: int) -> int:
+        from pallas_kernels.decode_attention_mgpu import default_config
+
+        return default_config(head_dim).block_k
+
 
 class TestMosaicDecodeAttentionInterpret(MosaicDecodeAttentionCases):
     """Mosaic GPU interpret mode: out-of-bounds reads raise and shared-memory races are detected.
@@ -187,6 +245,8 @@ class TestMosaicDecodeAttentionInterpret(MosaicDecodeAttentionCases):
     deterministic_spec = Spec(batch=3, q_heads=2, kv_heads=1, head_dim=64, page_size=16, width=80)
     deterministic_lengths = (1100, 0, 1025)
     deterministic_rows = (0, 2)
+    plan_spec = Spec(batch=2, q_heads=2, kv_heads=1, head_dim=64, page_size=16, width=12)  # auto: 2 slots of 64-token blocks
+    plan_lengths = (150, 64)
 
     @pytest.mark.parametrize("spec,options", [
         (Spec(batch=3, q_heads=8, kv_heads=1, head_dim=64, page_size=16, width=6, remap=True),
@@ -279,6 +339,19 @@ def test_lowered_decode_step_contains_the_named_kernels():
         assert "decodejax_paged_decode" in text and "decodejax_merge_states" in text
         gather = jax.jit(lambda p, t, l: decodejax.gather_pages(p, t, l))
         assert "decodejax_gather_pages" in gather.trace(k, table, lens).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("num_splits,kernels", [(None, 2), (1, 1)], ids=["auto", "one_slot"])
+def test_triton_decode_call_is_its_kernels_alone(num_splits, kernels):
+    """Every XLA op around the kernels is a launch and host work per call (the H200 profile
+    counted 7-8 launches per call when the bounds, a row iota and output slices ran in XLA):
+    the program is the kernel, the merge when there are several slots, and free reshapes."""
+    q, k, table, lens = decode_shapes()
+    with decodejax.dispatch.targeting("gpu", "9.0"):
+        step = jax.jit(lambda q, k, v, t, l: decodejax.decode_attention(q, k, v, t, l, num_splits=num_splits))
+        text = step.trace(q, k, k, table, lens).lower(lowering_platforms=("cuda",)).as_text()
+    ops = re.findall(r"= stablehlo\.([a-z_]+)", text)
+    assert ops.count("custom_call") == kernels and set(ops) == {"custom_call", "reshape"}, sorted(set(ops))
 
 
 def test_lowered_mosaic_decode_contains_its_named_kernel():
