@@ -6,6 +6,7 @@
     python -m benchmarks.mosaic_probes splits OUT.json   # split counts, i.e. programs and waves per SM
     python -m benchmarks.mosaic_probes profile OUT.json  # GPU time per kernel of one decode call
     python -m benchmarks.mosaic_probes dispatch OUT.json  # host time per call, and the wall time by run length
+    python -m benchmarks.mosaic_probes plans OUT.json     # the Triton kernel under other split plans
 
 `layout`: are strided page copies (NHD rows are H_kv * D apart) what holds the kernel back?
 `configs`: do configs small enough for two programs per SM (80 KiB of shared memory) beat the
@@ -16,29 +17,51 @@ number of programs (waves) and their length, GQA against MHA? `profile`: of a ca
 much is the decode kernel and how much the small XLA kernels around it (bounds, merge)?
 `dispatch`: is a call host-bound? The host's time to issue a call (no sync) against the wall
 time per call of runs of 10 to 200 back-to-back calls, beside a one-op jitted function of the
-same arguments (JAX's dispatch floor). Same timing method as `decode_attention.py` (`time_jax`:
+same arguments (JAX's dispatch floor). `plans`: on the benchmark's eight cases, does the Triton
+kernel run faster with a higher split target, more split slots, both, or fixed 1,024-token
+splits (deterministic mode, which beat auto at B 8 and on ragged)? Same timing method as `decode_attention.py` (`time_jax`:
 back-to-back calls) unless a question says otherwise.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import sys
 
 
-def _without(part: str):
-    """Replacements for the Mosaic kernel's helpers that skip `part` ("mma", "softmax")."""
+@contextlib.contextmanager
+def patched(patches: dict):
+    """Sets every (module, name) of `patches` to its replacement, and back on exit."""
+    originals = {key: getattr(*key) for key in patches}
+    try:
+        for (module, name), replacement in patches.items():
+            setattr(module, name, replacement)
+        yield
+    finally:
+        for (module, name), original in originals.items():
+            setattr(module, name, original)
+
+
+def _without(*parts: str) -> dict:
+    """Patches {(module, name): replacement} of the Mosaic kernel's helpers that skip `parts`
+    ("mma", "softmax")."""
     import jax.numpy as jnp
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    if part == "mma":
-        def scores(q_smem, k_slot, *, interpret):
-            zeros = jnp.zeros((q_smem.shape[0], k_slot.shape[0]), jnp.float32)
-            return plgpu.layout_cast(zeros, plgpu.Layout.WGMMA)
+    from pallas_kernels import decode_attention_mgpu as kernel
 
-        return {"_scores": scores, "_accumulate": lambda acc, p, v_slot, *, interpret: acc}
-    return {"_online_softmax": lambda scores, m, l: (scores, jnp.ones_like(m), m, l)}
+    def scores(q_smem, k_slot, *, interpret):
+        zeros = jnp.zeros((q_smem.shape[0], k_slot.shape[0]), jnp.float32)
+        return plgpu.layout_cast(zeros, plgpu.Layout.WGMMA)
+
+    patches = {}
+    if "mma" in parts:
+        patches |= {(kernel, "_scores"): scores, (kernel, "_accumulate"): lambda acc, p, v_slot, *, interpret: acc}
+    if "softmax" in parts:
+        patches[(kernel, "_online_softmax")] = lambda scores, m, l: (scores, jnp.ones_like(m), m, l)
+    return patches
 
 
 def _bottleneck_variants(k, v):
@@ -46,11 +69,37 @@ def _bottleneck_variants(k, v):
 
     default = dict(backend="pallas_mosaic_gpu")
     return {
-        "mgpu/full": (default, k, v, ()),
-        "mgpu/wg=3,st=6": (dict(default, config=MosaicDecodeConfig(64, 6, 3)), k, v, ()),
-        "mgpu/no_mma": (default, k, v, ("mma",)),
-        "mgpu/no_softmax": (default, k, v, ("softmax",)),
-        "mgpu/no_mma_no_softmax": (default, k, v, ("mma", "softmax")),
+        "mgpu/full": (default, k, v, {}),
+        "mgpu/wg=3,st=6": (dict(default, config=MosaicDecodeConfig(64, 6, 3)), k, v, {}),
+        "mgpu/no_mma": (default, k, v, _without("mma")),
+        "mgpu/no_softmax": (default, k, v, _without("softmax")),
+        "mgpu/no_mma_no_softmax": (default, k, v, _without("mma", "softmax")),
+    }
+
+
+def plan_patches(target_scale: int = 1, programs_per_sm: int | None = None) -> dict:
+    """Patches {(module, name): replacement} of the planner's two rules: the splits a batch
+    aims at per K/V head (`decode_target_splits`, times target_scale) and the slot capacity's
+    occupancy bound (`decode_num_splits`' programs_per_sm)."""
+    from decodejax import planning
+
+    target, slots = planning.decode_target_splits, planning.decode_num_splits
+    patches = {}
+    if target_scale != 1:
+        patches[(planning, "decode_target_splits")] = lambda *a, **kw: target_scale * target(*a, **kw)
+    if programs_per_sm is not None:
+        patches[(planning, "decode_num_splits")] = lambda *a, **kw: slots(*a, **kw | {"programs_per_sm": programs_per_sm})
+    return patches
+
+
+def _plan_variants(k, v):
+    """The Triton kernel under other split plans than auto's."""
+    triton = dict(backend="pallas_triton")
+    return {
+        "triton/deterministic": (dict(triton, deterministic=True), k, v, {}),
+        "triton/target_x2": (triton, k, v, plan_patches(target_scale=2)),
+        "triton/slots_x4": (triton, k, v, plan_patches(programs_per_sm=16)),
+        "triton/target_x2_slots_x4": (triton, k, v, plan_patches(target_scale=2, programs_per_sm=16)),
     }
 
 
@@ -99,32 +148,32 @@ def main(argv=None):
     from pallas_kernels.decode_attention_mgpu import MosaicDecodeConfig
 
     question, out_path = (argv or sys.argv[1:])[:2]
-    from pallas_kernels import decode_attention_mgpu
-
     shapes = {"layout": ((32, 4096), (128, 1024)), "configs": ((1, 32768), (32, 4096), (128, 1024)),
               "bottleneck": ((8, 8192), (32, 4096), (128, 1024), (32, 4096, 64)),
               "splits": ((1, 32768), (8, 8192), (32, 4096), (128, 1024), (128, 4096), (32, 4096, 128, 32)),
               "profile": ((1, 32768), (8, 8192), (32, 4096), (128, 1024)),
-              "dispatch": ((1, 32768), (8, 8192), (32, 4096), (128, 1024))}[question]
-    out = {}
+              "dispatch": ((1, 32768), (8, 8192), (32, 4096), (128, 1024)), "plans": ()}[question]
+    cases = list(bench_cases.CASES) if question == "plans" else []
     for batch, length, *rest in shapes:
         head_dim, kv_heads = (rest + [128, 8][len(rest):])[:2]  # defaults: D 128, 8 K/V heads
-        case = bench_cases.Case(f"B{batch}_T{length}_D{head_dim}_Hkv{kv_heads}", batch, length, head_dim=head_dim,
-                                q_heads=max(32, kv_heads), kv_heads=kv_heads)
+        cases.append(bench_cases.Case(f"B{batch}_T{length}_D{head_dim}_Hkv{kv_heads}", batch, length, head_dim=head_dim,
+                                      q_heads=max(32, kv_heads), kv_heads=kv_heads))
+    out = {}
+    for case in cases:
         data = bench_cases.make_case(case)
         q, k, v = (jnp.asarray(data[n], jnp.bfloat16) for n in ("q", "k_pages", "v_pages"))
         table, lens = jnp.asarray(data["page_table"]), jnp.asarray(data["seq_lens"])
-        variants = {"triton/nhd": (dict(backend="pallas_triton"), k, v, ())}
+        variants = {"triton/nhd": (dict(backend="pallas_triton"), k, v, {})}
         if question == "layout":
-            variants["mgpu/nhd"] = (dict(backend="pallas_mosaic_gpu"), k, v, ())
+            variants["mgpu/nhd"] = (dict(backend="pallas_mosaic_gpu"), k, v, {})
             hnd = dict(backend="pallas_mosaic_gpu", layout=KVLayout.PAGED_HND)
-            variants["mgpu/hnd"] = (hnd, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), ())
+            variants["mgpu/hnd"] = (hnd, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), {})
         elif question == "configs":
             for block_k, stages, warpgroups in ((64, 2, 1), (64, 2, 2), (64, 4, 2)):
                 config = MosaicDecodeConfig(block_k=block_k, num_stages=stages, compute_warpgroups=warpgroups)
-                variants[f"mgpu/bk={block_k},st={stages},wg={warpgroups}"] = (dict(backend="pallas_mosaic_gpu", config=config), k, v, ())
+                variants[f"mgpu/bk={block_k},st={stages},wg={warpgroups}"] = (dict(backend="pallas_mosaic_gpu", config=config), k, v, {})
         elif question == "profile":
-            variants["mgpu/auto"] = (dict(backend="pallas_mosaic_gpu"), k, v, ())
+            variants["mgpu/auto"] = (dict(backend="pallas_mosaic_gpu"), k, v, {})
         elif question == "dispatch":
             floor = jax.jit(lambda q, k, v, table, lens: q * 2)
             out[f"{case.name}/one_op_floor"] = _dispatch_timings(floor, (q, k, v, table, lens))
@@ -134,25 +183,19 @@ def main(argv=None):
             continue
         elif question == "bottleneck":
             variants.update(_bottleneck_variants(k, v))
+        elif question == "plans":
+            variants.update(_plan_variants(k, v))
         else:
-            variants["mgpu/auto"] = (dict(backend="pallas_mosaic_gpu"), k, v, ())
-            variants["mgpu/auto/no_mma_no_softmax"] = (dict(backend="pallas_mosaic_gpu"), k, v, ("mma", "softmax"))
+            variants["mgpu/auto"] = (dict(backend="pallas_mosaic_gpu"), k, v, {})
+            variants["mgpu/auto/no_mma_no_softmax"] = (dict(backend="pallas_mosaic_gpu"), k, v, _without("mma", "softmax"))
             for splits in (1, 2, 4, 8, 16, 32):
-                if batch * kv_heads * splits <= 8 * 132 and length // splits >= 256:
-                    variants[f"mgpu/splits={splits}"] = (dict(backend="pallas_mosaic_gpu", num_splits=splits), k, v, ())
-        for name, (options, k_pool, v_pool, removed) in variants.items():
-            originals = {}
-            for part in removed:
-                for helper, replacement in _without(part).items():
-                    originals[helper] = getattr(decode_attention_mgpu, helper)
-                    setattr(decode_attention_mgpu, helper, replacement)
-            jax.clear_caches()  # the kernel is traced again with (or without) the replacements
-            fn = jax.jit(functools.partial(decodejax.decode_attention, **options))
-            try:
+                if case.batch * case.kv_heads * splits <= 8 * 132 and case.max_len // splits >= 256:
+                    variants[f"mgpu/splits={splits}"] = (dict(backend="pallas_mosaic_gpu", num_splits=splits), k, v, {})
+        for name, (options, k_pool, v_pool, patches) in variants.items():
+            with patched(patches):
+                jax.clear_caches()  # traced again with (or without) the patches
+                fn = jax.jit(functools.partial(decodejax.decode_attention, **options))
                 stats = summarize(time_jax(fn, q, k_pool, v_pool, table, lens), bench_cases.kv_bytes(case))
-            finally:
-                for helper, original in originals.items():
-                    setattr(decode_attention_mgpu, helper, original)
             if question == "profile":
                 stats["profile"] = _device_activity(fn, q, k_pool, v_pool, table, lens)
                 print(json.dumps(stats["profile"]["top"][:6]), flush=True)
