@@ -219,22 +219,20 @@ def _attention_pallas(q, k_pages, v_pages, page_table, seq_lens, *, layout, cach
     cache_rows = None if cache_batch_idx is None else cache_batch_idx.astype(jnp.int32)
     options = dict(layout=layout, sm_scale=sm_scale, soft_cap=None if soft_cap is None else float(soft_cap), mask=mask,
                    config=config, interpret=interpret)
-    if not (mosaic or return_partial_states):  # one or two launches, no XLA around them
+    if mosaic:  # the Mosaic path keeps clear of Triton: XLA builds its bounds and fuses the (small) merge
+        start, end = plan.bounds(seq_lens)
+        rows = jnp.arange(B, dtype=jnp.int32) if cache_rows is None else cache_rows
+        part_o, part_lse = kernel.paged_decode_partials(q, k_pages, v_pages, page_table, seq_lens, rows, start, end, **options)
+    elif return_partial_states:
+        part_o, part_lse = kernel.paged_decode(q, k_pages, v_pages, page_table, seq_lens, cache_rows, plan=plan,
+                                               partial_states=True, **options)
+    else:  # one or two launches, no XLA around them
         o, lse = kernel.paged_decode(q, k_pages, v_pages, page_table, seq_lens, cache_rows, plan=plan, **options)
-    else:
-        if mosaic:  # the Mosaic path keeps clear of Triton: XLA builds its bounds and fuses the (small) merge
-            start, end = plan.bounds(seq_lens)
-            rows = jnp.arange(B, dtype=jnp.int32) if cache_rows is None else cache_rows
-            part_o, part_lse = kernel.paged_decode_partials(q, k_pages, v_pages, page_table, seq_lens, rows, start, end, **options)
-        else:
-            part_o, part_lse = kernel.paged_decode(q, k_pages, v_pages, page_table, seq_lens, cache_rows, plan=plan,
-                                                   partial_states=True, **options)
+    if mosaic or return_partial_states:
         if plan.capacity == 1:
             o, lse = part_o[:, :, 0], part_lse[:, :, 0]
-        elif mosaic:
-            o, lse = _merge_xla(part_o, part_lse)
         else:
-            o, lse = _merge_pallas(part_o, part_lse, interpret=interpret)
+            o, lse = _merge_xla(part_o, part_lse) if mosaic else _merge_pallas(part_o, part_lse, interpret=interpret)
     out = (o.astype(q.dtype), lse) if return_lse else (o.astype(q.dtype),)
     if return_partial_states:
         out = out + (split_state.LseState(valid=part_lse > -jnp.inf, lse=part_lse, o=part_o),)

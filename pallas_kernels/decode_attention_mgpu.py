@@ -1,9 +1,10 @@
 """Paged split-KV decode attention on Hopper (Pallas, Mosaic GPU lowering): the producer kernel.
 
-The same contract as the Triton producer (`pallas_kernels.decode_attention`): one program owns
-(request b, K/V head h, split slot s), streams the split's key range [start, end) and writes the
-split's normalized partial state (o, lse) in float32, EMPTY as (0, -inf). What differs is how
-it moves data:
+The partial-state contract of the Triton producer (`pallas_kernels.decode_attention`,
+`paged_decode(..., partial_states=True)`): one program owns (request b, K/V head h, split slot
+s), streams the split's key range [start, end) and writes the split's normalized partial state
+(o, lse) in float32, EMPTY as (0, -inf). It takes the bounds as i32[B, S] inputs
+(`SplitPlan.bounds`) where the Triton kernel computes its own, and it moves data differently:
 
 - Warpgroups specialize. A producer warpgroup copies K and V by TMA, one copy per page of a
   block of `block_k` tokens, into a ring of `num_stages` shared-memory slots (one barrier per

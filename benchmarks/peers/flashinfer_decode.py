@@ -23,39 +23,37 @@ from benchmarks.cases import REPS, SAMPLES
 WARMUP = 5
 
 
-def time_wall(fn) -> list[float]:
-    """Microseconds per run: REPS back-to-back runs and a synchronize, by the host's clock."""
+def host_clock_us(fn) -> float:
+    """REPS back-to-back runs and a synchronize, by perf_counter (as the JAX benchmark times its calls)."""
+    t0 = time.perf_counter()
+    for _ in range(REPS):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e6
+
+
+def cuda_events_us(fn, runs: int = REPS) -> float:
+    """`runs` back-to-back runs between CUDA events: GPU time, no first dispatch, no sync."""
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(runs):
+        fn()
+    stop.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(stop) * 1e3
+
+
+def time_runs(fn, clock) -> list[float]:
+    """Microseconds per run: after WARMUP runs, SAMPLES samples timed by `clock` (host_clock_us
+    or cuda_events_us), each divided by its REPS runs."""
     for _ in range(WARMUP):
         fn()
     torch.cuda.synchronize()
-    samples = []
-    for _ in range(SAMPLES):
-        t0 = time.perf_counter()
-        for _ in range(REPS):
-            fn()
-        torch.cuda.synchronize()
-        samples.append((time.perf_counter() - t0) * 1e6 / REPS)
-    return samples
-
-
-def time_call(fn) -> list[float]:
-    for _ in range(WARMUP):
-        fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(SAMPLES):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(REPS):
-            fn()
-        stop.record()
-        torch.cuda.synchronize()
-        samples.append(start.elapsed_time(stop) * 1e3 / REPS)
-    return samples
+    return [clock(fn) / REPS for _ in range(SAMPLES)]
 
 
 def time_graph(fn) -> list[float]:
-    """Like time_call, with the REPS calls captured once into a CUDA graph and replayed."""
+    """Like time_runs, with the REPS calls captured once into a CUDA graph and replayed."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # warm up on a side stream, as graph capture requires
@@ -68,15 +66,7 @@ def time_graph(fn) -> list[float]:
             fn()
     graph.replay()
     torch.cuda.synchronize()
-    samples = []
-    for _ in range(SAMPLES):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        stop.record()
-        torch.cuda.synchronize()
-        samples.append(start.elapsed_time(stop) * 1e3 / REPS)
-    return samples
+    return [cuda_events_us(graph.replay, runs=1) / REPS for _ in range(SAMPLES)]
 
 
 def main(out_path: str) -> None:
@@ -109,8 +99,8 @@ def main(out_path: str) -> None:
                              pos_encoding_mode="NONE", q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
                 out = wrapper.run(q, (k, v))
                 torch.cuda.synchronize()
-                samples = time_call(lambda: wrapper.run(q, (k, v)))
-                results[key] = {"samples_us": samples, "wall_samples_us": time_wall(lambda: wrapper.run(q, (k, v))), "out_head": out[:2, :2, :8].float().cpu().numpy().tolist(),
+                samples = time_runs(lambda: wrapper.run(q, (k, v)), cuda_events_us)
+                results[key] = {"samples_us": samples, "wall_samples_us": time_runs(lambda: wrapper.run(q, (k, v)), host_clock_us), "out_head": out[:2, :2, :8].float().cpu().numpy().tolist(),
                                 "out_checksum": float(out.float().abs().sum())}
                 try:
                     results[key]["graph_samples_us"] = time_graph(lambda: wrapper.run(q, (k, v)))
