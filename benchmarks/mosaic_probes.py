@@ -7,6 +7,7 @@
     python -m benchmarks.mosaic_probes profile OUT.json  # GPU time per kernel of one decode call
     python -m benchmarks.mosaic_probes dispatch OUT.json  # host time per call, and the wall time by run length
     python -m benchmarks.mosaic_probes plans OUT.json     # the Triton kernel under other split plans
+    python -m benchmarks.mosaic_probes plan_configs OUT.json  # split plans crossed with smaller tiles
 
 `layout`: are strided page copies (NHD rows are H_kv * D apart) what holds the kernel back?
 `configs`: do configs small enough for two programs per SM (80 KiB of shared memory) beat the
@@ -18,9 +19,14 @@ much is the decode kernel and how much the small XLA kernels around it (bounds, 
 `dispatch`: is a call host-bound? The host's time to issue a call (no sync) against the wall
 time per call of runs of 10 to 200 back-to-back calls, beside a one-op jitted function of the
 same arguments (JAX's dispatch floor). `plans`: on the benchmark's eight cases, does the Triton
-kernel run faster with a higher split target, more split slots, both, or fixed 1,024-token
-splits (deterministic mode, which beat auto at B 8 and on ragged)? Same timing method as `decode_attention.py` (`time_jax`:
-back-to-back calls) unless a question says otherwise.
+kernel run faster with a higher split target, a shorter or longer split cap
+(`planning.MAX_SPLIT_TOKENS`, which also sets the slot capacity), or fixed 1,024-token splits
+(deterministic mode)? Each plan is also timed as 20 calls inside one
+jitted program (no dispatch per call). Same timing method as `decode_attention.py` (`time_jax`:
+back-to-back calls) unless a question says otherwise. `plan_configs`: the default tile (128-token
+blocks, 3 stages: 192 KiB of shared memory, one program per SM) pays each program's pipeline
+fill alone, so short splits cost more than their bytes; with tiles small enough for two or three
+programs per SM, do fine split plans (which balance a ragged batch) stop costing uniform batches?
 """
 
 from __future__ import annotations
@@ -77,18 +83,18 @@ def _bottleneck_variants(k, v):
     }
 
 
-def plan_patches(target_scale: int = 1, programs_per_sm: int | None = None) -> dict:
+def plan_patches(target_scale: int = 1, max_split_tokens: int | None = None) -> dict:
     """Patches {(module, name): replacement} of the planner's two rules: the splits a batch
-    aims at per K/V head (`decode_target_splits`, times target_scale) and the slot capacity's
-    occupancy bound (`decode_num_splits`' programs_per_sm)."""
+    aims at per K/V head (`decode_target_splits`, times target_scale) and the longest split an
+    adaptive plan cuts (`MAX_SPLIT_TOKENS`, which also sets the slot capacity)."""
     from decodejax import planning
 
-    target, slots = planning.decode_target_splits, planning.decode_num_splits
+    target = planning.decode_target_splits
     patches = {}
     if target_scale != 1:
         patches[(planning, "decode_target_splits")] = lambda *a, **kw: target_scale * target(*a, **kw)
-    if programs_per_sm is not None:
-        patches[(planning, "decode_num_splits")] = lambda *a, **kw: slots(*a, **kw | {"programs_per_sm": programs_per_sm})
+    if max_split_tokens is not None:
+        patches[(planning, "MAX_SPLIT_TOKENS")] = max_split_tokens
     return patches
 
 
@@ -97,10 +103,24 @@ def _plan_variants(k, v):
     triton = dict(backend="pallas_triton")
     return {
         "triton/deterministic": (dict(triton, deterministic=True), k, v, {}),
+        "triton/max_split_2048": (triton, k, v, plan_patches(max_split_tokens=2048)),
+        "triton/max_split_8192": (triton, k, v, plan_patches(max_split_tokens=8192)),
         "triton/target_x2": (triton, k, v, plan_patches(target_scale=2)),
-        "triton/slots_x4": (triton, k, v, plan_patches(programs_per_sm=16)),
-        "triton/target_x2_slots_x4": (triton, k, v, plan_patches(target_scale=2, programs_per_sm=16)),
+        "triton/target_x2_max_split_2048": (triton, k, v, plan_patches(target_scale=2, max_split_tokens=2048)),
     }
+
+
+def _plan_config_variants(k, v):
+    """Split plans (auto, fixed 1,024-token chunks, a 4x target, splits of at most 2,048 tokens)
+    crossed with Triton tiles of one to three programs per SM."""
+    from pallas_kernels.decode_attention import DecodeConfig
+
+    plans = {"auto": ({}, {}), "deterministic": (dict(deterministic=True), {}),
+             "target_x4": ({}, plan_patches(target_scale=4)), "max_split_2048": ({}, plan_patches(max_split_tokens=2048))}
+    configs = {"bk128,st3": DecodeConfig(128, 4, 3), "bk64,st3": DecodeConfig(64, 4, 3), "bk64,st2": DecodeConfig(64, 4, 2),
+               "bk32,st4": DecodeConfig(32, 4, 4)}
+    return {f"triton/{c}/{p}": (dict(backend="pallas_triton", config=config, **options), k, v, patches)
+            for c, config in configs.items() for p, (options, patches) in plans.items()}
 
 
 def _device_activity(fn, *args, calls: int = 20) -> dict:
@@ -140,11 +160,12 @@ def _dispatch_timings(fn, args, runs=(10, 50, 200), samples: int = 15) -> dict:
 def main(argv=None):
     import jax
     import jax.numpy as jnp
+    import numpy as np
 
     import decodejax
     from benchmarks import cases as bench_cases
     from benchmarks.decode_attention import summarize, time_jax
-    from decodejax import KVLayout
+    from decodejax import KVLayout, evidence
     from pallas_kernels.decode_attention_mgpu import MosaicDecodeConfig
 
     question, out_path = (argv or sys.argv[1:])[:2]
@@ -152,13 +173,21 @@ def main(argv=None):
               "bottleneck": ((8, 8192), (32, 4096), (128, 1024), (32, 4096, 64)),
               "splits": ((1, 32768), (8, 8192), (32, 4096), (128, 1024), (128, 4096), (32, 4096, 128, 32)),
               "profile": ((1, 32768), (8, 8192), (32, 4096), (128, 1024)),
-              "dispatch": ((1, 32768), (8, 8192), (32, 4096), (128, 1024)), "plans": ()}[question]
-    cases = list(bench_cases.CASES) if question == "plans" else []
+              "dispatch": ((1, 32768), (8, 8192), (32, 4096), (128, 1024)), "plans": (),
+              "plan_configs": ()}[question]
+    cases = {"plans": list(bench_cases.CASES), "plan_configs": [c for c in bench_cases.CASES if c.name.startswith(
+        ("B8_", "B32_", "B64_", "ragged", "d64"))]}.get(question, [])
     for batch, length, *rest in shapes:
         head_dim, kv_heads = (rest + [128, 8][len(rest):])[:2]  # defaults: D 128, 8 K/V heads
         cases.append(bench_cases.Case(f"B{batch}_T{length}_D{head_dim}_Hkv{kv_heads}", batch, length, head_dim=head_dim,
                                       q_heads=max(32, kv_heads), kv_heads=kv_heads))
     out = {}
+
+    def save():
+        with open(out_path, "w") as f:
+            json.dump({"question": question, "machine": jax.devices()[0].device_kind, "jax": jax.__version__, "results": out}, f,
+                      indent=1)
+
     for case in cases:
         data = bench_cases.make_case(case)
         q, k, v = (jnp.asarray(data[n], jnp.bfloat16) for n in ("q", "k_pages", "v_pages"))
@@ -185,6 +214,8 @@ def main(argv=None):
             variants.update(_bottleneck_variants(k, v))
         elif question == "plans":
             variants.update(_plan_variants(k, v))
+        elif question == "plan_configs":
+            variants = _plan_config_variants(k, v)
         else:
             variants["mgpu/auto"] = (dict(backend="pallas_mosaic_gpu"), k, v, {})
             variants["mgpu/auto/no_mma_no_softmax"] = (dict(backend="pallas_mosaic_gpu"), k, v, _without("mma", "softmax"))
@@ -196,13 +227,17 @@ def main(argv=None):
                 jax.clear_caches()  # traced again with (or without) the patches
                 fn = jax.jit(functools.partial(decodejax.decode_attention, **options))
                 stats = summarize(time_jax(fn, q, k_pool, v_pool, table, lens), bench_cases.kv_bytes(case))
+                if question == "plans":  # as inside a jitted program: no dispatch per call
+                    samples = evidence.timed_samples_in_program(fn, (q, k_pool, v_pool, table, lens), samples=10, calls=20)
+                    stats |= {"in_program_samples_us": samples, "in_program_median_us": float(np.median(samples))}
             if question == "profile":
                 stats["profile"] = _device_activity(fn, q, k_pool, v_pool, table, lens)
                 print(json.dumps(stats["profile"]["top"][:6]), flush=True)
             out[f"{case.name}/{name}"] = stats
-            print(f"{case.name} {name} {stats['median_us']:.1f} us {stats['tbps_median']:.2f} TB/s", flush=True)
-    with open(out_path, "w") as f:
-        json.dump({"question": question, "machine": jax.devices()[0].device_kind, "jax": jax.__version__, "results": out}, f, indent=1)
+            print(f"{case.name} {name} {stats['median_us']:.1f} us {stats['tbps_median']:.2f} TB/s"
+                  f" in-program {stats.get('in_program_median_us', float('nan')):.1f} us", flush=True)
+        save()  # after every case: a run cut short still leaves what it measured
+    save()
 
 
 if __name__ == "__main__":

@@ -107,11 +107,11 @@ def decode_plan(
         return planning.SplitPlan(1, capacity, policy="fixed_chunk", chunk=DETERMINISTIC_CHUNK)
     if num_splits is None:  # auto: the slots the shapes allow, used as the lengths need
         sms = _num_sms()
-        target = planning.decode_target_splits(kv_heads, sms, head_dim)
-        # No request can use more than `target` splits: slots beyond it would only hold EMPTY.
-        capacity = min(planning.decode_num_splits(batch, kv_heads, max_len, sms, min_split_tokens=block_k),
-                       1 << (target.bit_length() - 1))
-        return planning.SplitPlan(capacity, capacity, align=block_k, target_splits=target if capacity > 1 else None)
+        capacity = planning.decode_split_capacity(batch, kv_heads, max_len, block_k, sms, head_dim)
+        if capacity == 1:
+            return planning.SplitPlan(1, 1, align=block_k)
+        return planning.SplitPlan(capacity, capacity, align=block_k, target_splits=planning.decode_target_splits(kv_heads, sms, head_dim),
+                                  max_split_blocks=max(1, planning.MAX_SPLIT_TOKENS // block_k))
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     return planning.SplitPlan(num_splits, num_splits, align=block_k)
@@ -160,8 +160,8 @@ def decode_attention(
       return_partial_states: also return the per-split LseState f32[B, H_q, S] (Pallas backends).
       deterministic: fixed chunks of DETERMINISTIC_CHUNK tokens, so a request's output is bit
         identical whatever its neighbours and the batch size.
-      num_splits: split count of every request; default: planning.decode_num_splits slots,
-        of which each request uses what the batch's lengths need (planning.decode_target_splits).
+      num_splits: split count of every request; default: planning.decode_split_capacity slots,
+        of which each request uses what the batch's lengths need (planning.adaptive_split_counts).
       config: pallas_kernels.decode_attention.DecodeConfig; default from its default_config.
       dense_mask: optional bool[B, W * P], an application mask ANDed with the causal/window
         visibility (mask_kind dense_custom: admitted by the XLA backend only).

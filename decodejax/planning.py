@@ -63,21 +63,25 @@ def _balanced_slot(xp, t, s, n):
     return start, end
 
 
-def adaptive_split_counts(blocks, num_splits: int, target_splits: int):
+def adaptive_split_counts(blocks, num_splits: int, target_splits: int, max_split_blocks: int | None = None):
     """Splits per request so the batch has about `target_splits` in all: i32[B] in [1, S].
 
-    Every split gets c = ceil(sum(blocks) / target_splits) blocks (at least one), so request b
-    uses ceil(blocks_b / c) splits, capped at S. A short batch then runs short splits on many
-    SMs, and a long one runs few long splits, whatever the static capacity S allows.
+    Every split gets c = ceil(sum(blocks) / target_splits) blocks (at least one, at most
+    max_split_blocks), so request b uses ceil(blocks_b / c) splits, capped at S. A short batch
+    then runs short splits on many SMs, and a long one runs few long splits, whatever the static
+    capacity S allows; the cap keeps a long request beside short ones from one long split that
+    the rest of the batch waits for.
     """
     xp = _xp(blocks)
     blocks = xp.asarray(blocks).astype(xp.int32)
-    return _adaptive_count(xp, blocks, xp.sum(blocks), num_splits, target_splits)
+    return _adaptive_count(xp, blocks, xp.sum(blocks), num_splits, target_splits, max_split_blocks)
 
 
-def _adaptive_count(xp, blocks, total_blocks, num_splits: int, target_splits: int):
+def _adaptive_count(xp, blocks, total_blocks, num_splits: int, target_splits: int, max_split_blocks: int | None = None):
     """Elementwise splits of a request of `blocks` blocks in a batch of `total_blocks` in all."""
     chunk = xp.maximum(1, -(-total_blocks // max(1, target_splits)))
+    if max_split_blocks is not None:
+        chunk = xp.minimum(chunk, max_split_blocks)
     return xp.clip(-(-blocks // chunk), 1, num_splits).astype(xp.int32)
 
 
@@ -123,6 +127,8 @@ class SplitPlan:
         `adaptive_split_counts(blocks, num_splits, target_splits)[b]` of its num_splits slots
         (the rest EMPTY), so the split count follows the batch's actual lengths, not the
         static maximum the shapes allow. Bounds then depend on the whole batch.
+      max_split_blocks: with target_splits: no split is longer than this many blocks (as far
+        as num_splits slots allow), whatever the batch's total.
     """
 
     num_splits: int
@@ -131,6 +137,7 @@ class SplitPlan:
     chunk: int | None = None
     align: int = 1
     target_splits: int | None = None
+    max_split_blocks: int | None = None
 
     def __post_init__(self):
         if self.policy not in ("balanced", "fixed_chunk"):
@@ -147,6 +154,8 @@ class SplitPlan:
             raise ValueError(f"align must be >= 1, got {self.align}")
         if self.target_splits is not None and (self.policy != "balanced" or self.target_splits < 1):
             raise ValueError(f"target_splits={self.target_splits} needs policy 'balanced' and a value >= 1")
+        if self.max_split_blocks is not None and (self.target_splits is None or self.max_split_blocks < 1):
+            raise ValueError(f"max_split_blocks={self.max_split_blocks} needs target_splits and a value >= 1")
 
     def bounds(self, lengths):
         """(start, end), each i32[B, capacity]; EMPTY slots have start == end."""
@@ -178,7 +187,7 @@ class SplitPlan:
             return _chunk_slot(xp, lengths, slots, self.chunk)
         blocks = -(-lengths // self.align)
         active = (self.num_splits if total_blocks is None
-                  else _adaptive_count(xp, blocks, total_blocks, self.num_splits, self.target_splits))
+                  else _adaptive_count(xp, blocks, total_blocks, self.num_splits, self.target_splits, self.max_split_blocks))
         # Slots past num_splits (capacity padding) are past `active` too: EMPTY at T_b.
         start, end = _balanced_slot(xp, blocks, slots, active)
         return xp.minimum(start * self.align, lengths), xp.minimum(end * self.align, lengths)
@@ -236,27 +245,36 @@ def choose_num_splits(batch: int, kv_heads: int, num_kv_blocks: int, num_sms: in
     return min(s for s, e in effs.items() if e >= 0.85 * best)
 
 
-def decode_num_splits(
+# The longest split an adaptive plan cuts: on the H200 one 4,096-token split per (request,
+# K/V head) ran at 4.1 TB/s (B 32, T 4096), while a ragged batch whose splits reached ~8k tokens
+# ran 14% behind fixed 1,024-token splits (benchmarks/README.md).
+MAX_SPLIT_TOKENS = 4096
+
+
+def decode_split_capacity(
     batch: int,
     kv_heads: int,
     max_len: int,
+    block_k: int,
     num_sms: int,
+    head_dim: int = 128,
     *,
-    programs_per_sm: int = 4,
-    min_split_tokens: int = 128,
     max_splits: int = 64,
 ) -> int:
     """Split capacity S of the paged decode kernel: the slots per request its grid has.
 
-    The largest power of two S with batch * kv_heads * S <= programs_per_sm * num_sms, at most
-    max_len / min_split_tokens (a kernel block) and `max_splits`. How many of the S slots a
-    request uses is decided per call from the actual lengths (`decode_target_splits`): max_len
-    is a static bound (a runtime's table width), often far above the lengths it serves.
+    Enough for both reasons an adaptive plan splits a request (`adaptive_split_counts` on the
+    actual lengths): a batch of max_len-token requests splits each into what fills the GPU
+    (`decode_target_splits`), and a request beside short ones is cut into splits of at most
+    MAX_SPLIT_TOKENS. No more: a slot a request does not use is an EMPTY program, and any
+    capacity above one costs a second launch (the merge). On the H200 at B 32, T 4096, one slot
+    ran 135.5 us against 142.1 us for two slots of which one was EMPTY.
     """
-    target = max(1, programs_per_sm * num_sms // max(1, batch * kv_heads))
-    by_occupancy = 1 << (target.bit_length() - 1)
-    by_length = max(1, max_len // min_split_tokens)
-    return max(1, min(by_occupancy, 1 << (by_length.bit_length() - 1), max_splits))
+    blocks = -(-max_len // block_k)
+    target = decode_target_splits(kv_heads, num_sms, head_dim)
+    full_batch = int(_adaptive_count(np, blocks, batch * blocks, max_splits, target))
+    by_length = -(-max_len // MAX_SPLIT_TOKENS)
+    return max(1, min(max(full_batch, by_length), max_splits))
 
 
 def decode_target_splits(kv_heads: int, num_sms: int, head_dim: int = 128) -> int:

@@ -38,18 +38,18 @@ def test_hopper_compile_reads_each_kernels_triton_ir_from_the_cuda_lowering():
 
 
 def test_plan_probe_patches_the_planner_rules_and_restores_them():
-    """mosaic_probes `plans`: the ragged batch's auto plan (2 slots by the occupancy rule) gets more
-    slots and a higher split target under the patches, and the planner is itself again after."""
+    """mosaic_probes `plans`: under the patches, the ragged batch's auto plan gets a doubled split
+    target and a 2,048-token split cap (so twice the slots), and the planner is itself again after."""
     from benchmarks.mosaic_probes import patched, plan_patches
     from decodejax import _ops, planning
 
     def ragged_plan():  # B 32, 8 K/V heads, 16,384-token tables, block_k 128 (the benchmark's ragged case)
         return _ops.decode_plan(32, 8, 16384, 128, num_splits=None, deterministic=False)
 
-    rules = (planning.decode_target_splits, planning.decode_num_splits)
+    rules = (planning.decode_target_splits, planning.MAX_SPLIT_TOKENS)
     before = ragged_plan()
-    with patched(plan_patches(target_scale=2, programs_per_sm=16)):
+    with patched(plan_patches(target_scale=2, max_split_tokens=2048)):
         during = ragged_plan()
-    assert (before.capacity, before.target_splits) == (2, 33)
-    assert (during.capacity, during.target_splits) == (8, 66)
-    assert (planning.decode_target_splits, planning.decode_num_splits) == rules and ragged_plan() == before
+    assert (before.capacity, before.target_splits, before.max_split_blocks) == (4, 33, 32)
+    assert (during.capacity, during.target_splits, during.max_split_blocks) == (8, 66, 16)
+    assert (planning.decode_target_splits, planning.MAX_SPLIT_TOKENS) == rules and ragged_plan() == before

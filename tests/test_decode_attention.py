@@ -180,7 +180,7 @@ class DecodeAttentionCases:
         start, end = plan.bounds(np.asarray(problem["seq_lens"]))
         assert parts.lse.shape == (spec.batch, spec.q_heads, plan.capacity)
         if not plan_options and self.plan_spec is DecodeAttentionCases.plan_spec:  # the case the kernel's batch sum serves
-            alone = dataclasses.replace(plan, target_splits=None).bounds(np.asarray(problem["seq_lens"]))
+            alone = dataclasses.replace(plan, target_splits=None, max_split_blocks=None).bounds(np.asarray(problem["seq_lens"]))
             assert plan.adapts_to_batch and not np.array_equal(alone[1], end)
         gathered = {name: np.asarray(decodejax.gather_pages(args[name], args["page_table"], args["seq_lens"], backend="xla",
                                                             cache_batch_idx=args["cache_batch_idx"]), np.float32)

@@ -1,5 +1,7 @@
 """Invariants P1-P2: split bounds, plans, the split-count heuristic and the ledgers."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -74,6 +76,10 @@ def test_P2_plan_validation_errors():
         SplitPlan(4, 2)
     with pytest.raises(ValueError, match="chunk=None"):
         SplitPlan(1, 4, policy="fixed_chunk")
+    with pytest.raises(ValueError, match="max_split_blocks=8 needs target_splits"):
+        SplitPlan(4, 4, max_split_blocks=8)
+    with pytest.raises(ValueError, match="max_split_blocks=0 needs"):
+        SplitPlan(4, 4, target_splits=4, max_split_blocks=0)
     with pytest.raises(PlanMismatch, match="exceed capacity 2 x chunk 10"):
         SplitPlan(1, 2, policy="fixed_chunk", chunk=10).bounds(np.array([25]))
 
@@ -127,7 +133,8 @@ def test_P1_block_aligned_plan_covers_exactly(lengths, splits, align):
 def test_auto_split_counts_match_the_h200_measurements():
     """Splits per request of the auto plan (`_ops.decode_plan`, H_kv = 8, 132 SMs, block 128) at
     the benchmark shapes: the fastest S of the committed H200 split sweep, except B = 1 (32 is
-    3% behind 64); D = 64 keeps the two splits its earlier auto plan ran at."""
+    3% behind 64); D = 64 keeps the two splits its earlier auto plan ran at. A full-length
+    uniform batch leaves no slot EMPTY: the capacity is what it uses (one slot: one launch)."""
     from decodejax import _ops
 
     expected = {(1, 32768, 128): 32, (8, 8192, 128): 4, (32, 4096, 128): 1, (64, 2048, 128): 1, (128, 1024, 128): 1, (32, 4096, 64): 2}
@@ -135,9 +142,29 @@ def test_auto_split_counts_match_the_h200_measurements():
         plan = _ops.decode_plan(batch, 8, length, 128, num_splits=None, deterministic=False, head_dim=d)
         start, end = plan.bounds(np.full(batch, length))
         assert np.all((end > start).sum(1) == best), (batch, length, d)
-        assert plan.capacity <= 32  # never more slots than a request can use
-    assert planning.decode_num_splits(1, 8, 100, 132, min_split_tokens=128) == 1  # never a split under a block
-    assert planning.decode_num_splits(1, 1, 10**6, 132) == 64  # capped
+        assert plan.capacity == best, (batch, length, d)
+    assert planning.decode_split_capacity(1, 8, 100, 128, 132) == 1  # never a split under a block
+    assert planning.decode_split_capacity(1, 1, 10**6, 128, 132) == 64  # capped
+    assert planning.decode_split_capacity(32, 8, 16384, 128, 132) == 16384 // planning.MAX_SPLIT_TOKENS  # room for the cap
+
+
+def test_auto_plan_caps_its_splits_at_max_split_tokens():
+    """The ragged shape (B 32, 16,384-token tables): a 16,384-token request beside 8,192-token
+    ones. The batch's total alone would cut ~8k-token splits (the total over the split target);
+    the cap cuts none over MAX_SPLIT_TOKENS, and a uniform full-length 4,096-token batch of the
+    same shapes still runs one split per request."""
+    from decodejax import _ops
+
+    plan = _ops.decode_plan(32, 8, 16384, 128, num_splits=None, deterministic=False)
+    lengths = np.array([16384] + [8192] * 31)
+    start, end = plan.bounds(lengths)
+    assert_exact_cover(lengths, start, end)
+    assert (end - start).max() == planning.MAX_SPLIT_TOKENS
+    assert (end > start)[0].sum() == 16384 // planning.MAX_SPLIT_TOKENS
+    u_start, u_end = dataclasses.replace(plan, max_split_blocks=None).bounds(lengths)
+    assert (u_end - u_start).max() == 8192
+    start, end = plan.bounds(np.full(32, 4096))
+    assert np.all((end > start).sum(1) == 1)
 
 
 def test_adaptive_splits_follow_the_lengths_not_the_static_bound():
@@ -150,17 +177,21 @@ def test_adaptive_splits_follow_the_lengths_not_the_static_bound():
 
 
 @given(lengths=st.lists(st.integers(0, 20000), min_size=1, max_size=8), splits=st.integers(1, 64),
-       target=st.integers(1, 300), align=st.sampled_from([1, 16, 128]))
+       target=st.integers(1, 300), align=st.sampled_from([1, 16, 128]), cap=st.one_of(st.none(), st.integers(1, 64)))
 @settings(max_examples=60, deadline=None)
-def test_P1_adaptive_plan_covers_exactly_and_never_exceeds_its_slots(lengths, splits, target, align):
+def test_P1_adaptive_plan_covers_exactly_and_never_exceeds_its_slots(lengths, splits, target, align, cap):
     lengths = np.array(lengths)
-    start, end = SplitPlan(splits, splits, align=align, target_splits=target).bounds(lengths)
+    plan = SplitPlan(splits, splits, align=align, target_splits=target, max_split_blocks=cap)
+    start, end = plan.bounds(lengths)
     assert_exact_cover(lengths, start, end)
     active = (end > start).sum(1)
     blocks = -(-lengths // align)
     assert np.all(active <= np.minimum(splits, np.maximum(blocks, 1)))
-    # Splits beyond the target appear only because a request needs at least one.
-    assert active.sum() <= max(target, 0) + len(lengths)
-    j_start, j_end = jax.jit(SplitPlan(splits, splits, align=align, target_splits=target).bounds)(jnp.asarray(lengths))
+    if cap is None:  # splits beyond the target appear only because a request needs at least one
+        assert active.sum() <= max(target, 0) + len(lengths)
+    else:  # a request with a slot to spare has no split over the cap
+        spare = active < splits
+        assert np.all(np.where(spare[:, None], -(-(end - start) // align), 0) <= cap)
+    j_start, j_end = jax.jit(plan.bounds)(jnp.asarray(lengths))
     np.testing.assert_array_equal(np.asarray(j_start), start)
     np.testing.assert_array_equal(np.asarray(j_end), end)

@@ -1,6 +1,6 @@
 """FlashInfer's BatchDecodeWithPagedKVCache on the benchmark cases, in its own (PyTorch) process.
 
-Run from the repository root: `python -m benchmarks.peers.flashinfer_decode OUT.json`. It builds
+Run from the repository root: `python -m benchmarks.peers.flashinfer_decode OUT.json [CASE,CASE...]`. It builds
 the same data as the JAX benchmark (benchmarks.cases.make_case) and writes raw samples
 (microseconds per call) as JSON, SAMPLES samples of REPS runs each (benchmarks.cases):
 `wall_samples_us`, perf_counter around REPS back-to-back runs and a synchronize, as the JAX
@@ -69,7 +69,9 @@ def time_graph(fn) -> list[float]:
     return [cuda_events_us(graph.replay, runs=1) / REPS for _ in range(SAMPLES)]
 
 
-def main(out_path: str) -> None:
+def main(out_path: str, case_names: str = "") -> None:
+    """FlashInfer on the benchmark's cases (`case_names`: comma-separated, default all)."""
+    wanted = set(filter(None, case_names.split(",")))
     results = {}
     try:
         import flashinfer
@@ -80,7 +82,7 @@ def main(out_path: str) -> None:
         json.dump(results, open(out_path, "w"), indent=1)
         return
     workspace = torch.empty(256 * 1024 * 1024, dtype=torch.uint8, device="cuda")
-    for case in bench_cases.CASES:
+    for case in (c for c in bench_cases.CASES if not wanted or c.name in wanted):
         data = bench_cases.make_case(case)
         P = case.page_size
         lens = data["seq_lens"]
@@ -116,4 +118,4 @@ def main(out_path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:3])
