@@ -165,10 +165,16 @@ class DecodeAttentionCases:
 
         return default_config(head_dim).block_k
 
-    @pytest.mark.parametrize("plan_options", [{}, {"num_splits": 3}, {"deterministic": True}], ids=["auto", "splits=3", "deterministic"])
-    def test_P1_every_slot_holds_its_planned_range(self, plan_options):
+    @pytest.mark.parametrize("plan_options", [{}, {"num_splits": 3}, {"deterministic": True}, {"max_split_tokens": 128}],
+                             ids=["auto", "splits=3", "deterministic", "auto_capped"])
+    def test_P1_every_slot_holds_its_planned_range(self, plan_options, monkeypatch):
         """Slot s of request b is the attention state of keys [start, end) of `plan.bounds`, the
-        planning contract, whichever side computes the bounds (the Triton kernel does it itself)."""
+        planning contract, whichever side computes the bounds (the Triton kernel does it itself).
+        auto_capped: a split cap of one block binds (25 one-block splits where the batch's total
+        alone gives 13), so the kernel's bounds must apply it too."""
+        plan_options = dict(plan_options)  # the parameter is shared by every class that runs this body
+        if "max_split_tokens" in plan_options:
+            monkeypatch.setattr(decodejax.planning, "MAX_SPLIT_TOKENS", plan_options.pop("max_split_tokens"))
         spec = self.plan_spec
         problem = make_problem(spec, np.random.default_rng(12), lengths=list(self.plan_lengths))
         args = to_device(problem, jnp.bfloat16)
@@ -179,9 +185,13 @@ class DecodeAttentionCases:
                                           deterministic=plan_options.get("deterministic", False), head_dim=spec.head_dim)
         start, end = plan.bounds(np.asarray(problem["seq_lens"]))
         assert parts.lse.shape == (spec.batch, spec.q_heads, plan.capacity)
-        if not plan_options and self.plan_spec is DecodeAttentionCases.plan_spec:  # the case the kernel's batch sum serves
-            alone = dataclasses.replace(plan, target_splits=None, max_split_blocks=None).bounds(np.asarray(problem["seq_lens"]))
-            assert plan.adapts_to_batch and not np.array_equal(alone[1], end)
+        if not plan_options and self.plan_spec is DecodeAttentionCases.plan_spec:  # the cases the kernel's batch sum serves
+            assert plan.adapts_to_batch
+            # The bounds without the rule under test (the cap where it binds, else the batch's total) differ.
+            capped = decodejax.planning.MAX_SPLIT_TOKENS <= self.block_k(spec.head_dim)
+            without = dataclasses.replace(plan, max_split_blocks=None) if capped else dataclasses.replace(
+                plan, target_splits=None, max_split_blocks=None)
+            assert not np.array_equal(without.bounds(np.asarray(problem["seq_lens"]))[1], end)
         gathered = {name: np.asarray(decodejax.gather_pages(args[name], args["page_table"], args["seq_lens"], backend="xla",
                                                             cache_batch_idx=args["cache_batch_idx"]), np.float32)
                     for name in ("k_pages", "v_pages")}
