@@ -21,12 +21,12 @@ time per call of runs of 10 to 200 back-to-back calls, beside a one-op jitted fu
 same arguments (JAX's dispatch floor). `plans`: on the benchmark's eight cases, does the Triton
 kernel run faster with a higher split target, a shorter or longer split cap
 (`planning.MAX_SPLIT_TOKENS`, which also sets the slot capacity), or fixed 1,024-token splits
-(deterministic mode)? Each plan is also timed as 20 calls inside one
-jitted program (no dispatch per call). Same timing method as `decode_attention.py` (`time_jax`:
-back-to-back calls) unless a question says otherwise. `plan_configs`: the default tile (128-token
-blocks, 3 stages: 192 KiB of shared memory, one program per SM) pays each program's pipeline
-fill alone, so short splits cost more than their bytes; with tiles small enough for two or three
-programs per SM, do fine split plans (which balance a ragged batch) stop costing uniform batches?
+(deterministic mode)? Each plan is also timed as 20 calls inside one jitted program (no
+dispatch per call). `plan_configs`: with the default tile (128-token blocks, 3 stages: 192 KiB
+of shared memory) one program runs per SM, so nothing may hide a program's pipeline fill; with
+tiles small enough for two or three programs per SM, do fine split plans (which balance a ragged
+batch) stop costing uniform batches? Same timing method as `decode_attention.py` (`time_jax`:
+back-to-back calls) unless a question says otherwise.
 """
 
 from __future__ import annotations

@@ -111,7 +111,7 @@ def decode_plan(
         if capacity == 1:
             return planning.SplitPlan(1, 1, align=block_k)
         return planning.SplitPlan(capacity, capacity, align=block_k, target_splits=planning.decode_target_splits(kv_heads, sms, head_dim),
-                                  max_split_blocks=max(1, planning.MAX_SPLIT_TOKENS // block_k))
+                                  max_split_blocks=planning.split_cap_blocks(block_k))
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     return planning.SplitPlan(num_splits, num_splits, align=block_k)

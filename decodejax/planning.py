@@ -69,8 +69,8 @@ def adaptive_split_counts(blocks, num_splits: int, target_splits: int, max_split
     Every split gets c = ceil(sum(blocks) / target_splits) blocks (at least one, at most
     max_split_blocks), so request b uses ceil(blocks_b / c) splits, capped at S. A short batch
     then runs short splits on many SMs, and a long one runs few long splits, whatever the static
-    capacity S allows; the cap keeps a long request beside short ones from one long split that
-    the rest of the batch waits for.
+    capacity S allows; the cap keeps a long batch's splits short enough to balance over the SMs
+    when the requests' lengths differ.
     """
     xp = _xp(blocks)
     blocks = xp.asarray(blocks).astype(xp.int32)
@@ -263,18 +263,22 @@ def decode_split_capacity(
 ) -> int:
     """Split capacity S of the paged decode kernel: the slots per request its grid has.
 
-    Enough for both reasons an adaptive plan splits a request (`adaptive_split_counts` on the
-    actual lengths): a batch of max_len-token requests splits each into what fills the GPU
-    (`decode_target_splits`), and a request beside short ones is cut into splits of at most
-    MAX_SPLIT_TOKENS. No more: a slot a request does not use is an EMPTY program, and any
-    capacity above one costs a second launch (the merge). On the H200 at B 32, T 4096, one slot
-    ran 135.5 us against 142.1 us for two slots of which one was EMPTY.
+    The splits an adaptive plan (`decode_target_splits`, splits capped at MAX_SPLIT_TOKENS)
+    gives a batch of max_len-token requests: enough for every request to keep its splits under
+    the cap, and for a full-length batch to fill the GPU. No more: a slot a request does not use
+    is an EMPTY program, and any capacity above one costs a second launch (the merge); on the
+    H200 at B 32, T 4096 one slot ran 135.5 us against 142.1 us for two, one of them EMPTY.
+    The price: a short batch whose total would ask for more splits than the slots hold (one
+    long request among short ones, say) runs them in S splits.
     """
     blocks = -(-max_len // block_k)
     target = decode_target_splits(kv_heads, num_sms, head_dim)
-    full_batch = int(_adaptive_count(np, blocks, batch * blocks, max_splits, target))
-    by_length = -(-max_len // MAX_SPLIT_TOKENS)
-    return max(1, min(max(full_batch, by_length), max_splits))
+    return int(_adaptive_count(np, blocks, batch * blocks, max_splits, target, split_cap_blocks(block_k)))
+
+
+def split_cap_blocks(block_k: int) -> int:
+    """MAX_SPLIT_TOKENS in blocks of block_k tokens (at least one)."""
+    return max(1, MAX_SPLIT_TOKENS // block_k)
 
 
 def decode_target_splits(kv_heads: int, num_sms: int, head_dim: int = 128) -> int:
