@@ -48,6 +48,12 @@ SMALL_CASES = (
 )
 
 
+def selected(names: str) -> list[Case]:
+    """The CASES named in `names` (comma-separated), in CASES order; all of them for ""."""
+    wanted = set(filter(None, names.split(",")))
+    return [case for case in CASES if not wanted or case.name in wanted]
+
+
 def lengths(case: Case, seed: int = 0) -> np.ndarray:
     if not case.ragged:
         return np.full(case.batch, case.max_len, np.int32)

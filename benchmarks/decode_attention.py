@@ -189,12 +189,10 @@ def main(argv=None):
         results["machine"]["jaxlib"] = jaxlib.__version__
     except Exception:
         pass
-    wanted = set(filter(None, args.cases.split(",")))
-    for case in bench_cases.CASES:
-        if not wanted or case.name in wanted:
-            run_case(case, results, sweep="target" in case.tags and not args.ours_only, tune=case.name in args.tune.split(","),
-                     ours_only=args.ours_only, tune_mosaic=case.name in args.tune_mosaic.split(","), in_program=args.in_program)
-            json.dump(results, open(args.out, "w"), indent=1)
+    for case in bench_cases.selected(args.cases):
+        run_case(case, results, sweep="target" in case.tags and not args.ours_only, tune=case.name in args.tune.split(","),
+                 ours_only=args.ours_only, tune_mosaic=case.name in args.tune_mosaic.split(","), in_program=args.in_program)
+        json.dump(results, open(args.out, "w"), indent=1)
     finish(results, args.flashinfer, args.out)
 
 

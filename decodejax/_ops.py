@@ -108,8 +108,6 @@ def decode_plan(
     if num_splits is None:  # auto: the slots the shapes allow, used as the lengths need
         sms = _num_sms()
         capacity = planning.decode_split_capacity(batch, kv_heads, max_len, block_k, sms, head_dim)
-        if capacity == 1:
-            return planning.SplitPlan(1, 1, align=block_k)
         return planning.SplitPlan(capacity, capacity, align=block_k, target_splits=planning.decode_target_splits(kv_heads, sms, head_dim),
                                   max_split_blocks=planning.split_cap_blocks(block_k))
     if num_splits < 1:

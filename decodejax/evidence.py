@@ -137,8 +137,9 @@ def timed_samples_in_program(fn, args, *, samples: int, calls: int = REPS_PER_SA
     that makes `calls` calls of fn, then one sync.
 
     How a jitted model or an AOT step runs the op. Back-to-back dispatches (`timed_samples`) keep
-    the GPU fed only when a call's device time exceeds its host cost. Each call gets its own copy of the first argument, so the compiler can neither share the
-    calls' work nor hoist it out of the program.
+    the GPU fed only when a call's device time exceeds its host cost. Each call gets its own copy
+    of the first argument, so the compiler can neither share the calls' work nor hoist it out of
+    the program.
     """
     program = jax.jit(lambda copies, *rest: [fn(copies[i], *rest) for i in range(calls)])
     return [t / calls for t in timed_samples(program, (jnp.stack([args[0]] * calls), *args[1:]), samples=samples, reps=1, warmup=warmup)]

@@ -169,8 +169,9 @@ class SplitPlan:
 
     @property
     def adapts_to_batch(self) -> bool:
-        """Whether a request's bounds depend on the batch's lengths (balanced with target_splits)."""
-        return self.policy == "balanced" and self.target_splits is not None
+        """Whether a request's bounds depend on the batch's lengths (balanced with target_splits
+        and more than one split: a single split is the whole request whatever its neighbours)."""
+        return self.policy == "balanced" and self.target_splits is not None and self.num_splits > 1
 
     def total_blocks(self, xp, lengths):
         """The batch's blocks of `align` tokens in all, which adaptive split counts divide up

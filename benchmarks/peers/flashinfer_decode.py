@@ -71,7 +71,6 @@ def time_graph(fn) -> list[float]:
 
 def main(out_path: str, case_names: str = "") -> None:
     """FlashInfer on the benchmark's cases (`case_names`: comma-separated, default all)."""
-    wanted = set(filter(None, case_names.split(",")))
     results = {}
     try:
         import flashinfer
@@ -82,7 +81,7 @@ def main(out_path: str, case_names: str = "") -> None:
         json.dump(results, open(out_path, "w"), indent=1)
         return
     workspace = torch.empty(256 * 1024 * 1024, dtype=torch.uint8, device="cuda")
-    for case in (c for c in bench_cases.CASES if not wanted or c.name in wanted):
+    for case in bench_cases.selected(case_names):
         data = bench_cases.make_case(case)
         P = case.page_size
         lens = data["seq_lens"]
