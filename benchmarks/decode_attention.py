@@ -9,7 +9,11 @@ block_until_ready (`samples_us`, the figure every table and ratio uses); FlashIn
 PyTorch in its own process (benchmarks.peers.flashinfer_decode) on data built by the same
 `make_case`, timed the same way (`flashinfer_wall/`: perf_counter around REPS runs and a sync)
 and with CUDA events around other runs of REPS (`flashinfer/`: its GPU time, without the
-host's first dispatch and the final sync). Its plan() runs once, outside the timing; our split
+host's first dispatch and the final sync). Our call and the JAX peers get that GPU figure too
+(`gpu_span`: TRACED_SAMPLES profiler traces of REPS back-to-back calls, each the span from the
+first kernel's start to the last one's end, over REPS), because a JAX call's first dispatch
+after a sync costs the host several times a warm one (benchmarks/README.md, the timeline probe),
+which the host-clock samples spread over their REPS calls. Its plan() runs once, outside the timing; our split
 bounds are computed inside every call. Second figures, in the JSON only: FlashInfer's REPS
 runs in one CUDA graph (`graph_samples_us`) and, with --in-program, REPS of our calls compiled
 into one jitted program per sample (`in_program_samples_us`; one more compile per variant).
@@ -31,9 +35,11 @@ from benchmarks import cases as bench_cases
 from benchmarks.cases import REPS, SAMPLES
 
 WARMUP = 3
+TRACED_SAMPLES = 10
 DATASHEET_TBPS = 4.8
 SPLIT_SWEEP = (1, 2, 4, 8, 16, 32, 64)
 BUILTIN_K_SPLITS = (1, 2, 4, 8, 16)
+OURS = "decodejax/nhd/auto"  # the Triton kernel's default path: the figure every ratio is of
 MOSAIC_AUTO = "decodejax/mgpu-nhd/auto"  # the Mosaic GPU kernel's default path, beside the Triton kernel's
 # (block_k, num_stages, compute_warpgroups) of the Mosaic GPU kernel; one that does not fit a
 # case's shared memory is recorded as an error
@@ -53,6 +59,21 @@ def time_in_program(fn, *args) -> list[float]:
     from decodejax import evidence
 
     return evidence.timed_samples_in_program(fn, args, samples=SAMPLES, calls=REPS, warmup=WARMUP)
+
+
+def time_gpu_span(fn, *args) -> list[float]:
+    """GPU microseconds per call of REPS back-to-back calls, one profiler trace per sample (Python's
+    tracer off): the span from the first kernel's start to the last one's end, over REPS."""
+    import jax
+
+    from benchmarks.profile_summary import stream_timeline, traced
+
+    def run():
+        for _ in range(REPS):
+            result = fn(*args)
+        jax.block_until_ready(result)
+
+    return [stream_timeline(traced(run, python_tracer=False)[0], REPS)["span_us_per_step"] for _ in range(TRACED_SAMPLES)]
 
 
 def summarize(samples, nbytes):
@@ -83,11 +104,13 @@ def run_case(case, results, sweep: bool, tune: bool = False, ours_only: bool = F
     ref_o = np.asarray(ref_o, np.float32)
     entry["reference_checksum"] = float(np.abs(ref_o).sum())
 
-    def record(name, fn, *args):
+    def record(name, fn, *args, gpu_span: bool = False):
         try:
             out = fn(*args)
             err = float(np.max(np.abs(np.asarray(out, np.float32) - ref_o)))
             stats = summarize(time_jax(fn, *args), nbytes)
+            if gpu_span:
+                stats["gpu_span"] = summarize(time_gpu_span(fn, *args), nbytes)
             if in_program:
                 samples = time_in_program(fn, *args)
                 stats |= {"in_program_samples_us": samples, "in_program_median_us": float(np.median(samples))}
@@ -99,8 +122,8 @@ def run_case(case, results, sweep: bool, tune: bool = False, ours_only: bool = F
             print(f"{case.name:24s} {name:34s} ERROR {repr(exc)[:200]}", flush=True)
 
     ours = lambda backend="pallas_triton", **kw: jax.jit(functools.partial(decodejax.decode_attention, backend=backend, **kw))
-    record("decodejax/nhd/auto", ours(), q, k, v, table, lens)
-    record(MOSAIC_AUTO, ours("pallas_mosaic_gpu"), q, k, v, table, lens)
+    record(OURS, ours(), q, k, v, table, lens, gpu_span=True)
+    record(MOSAIC_AUTO, ours("pallas_mosaic_gpu"), q, k, v, table, lens, gpu_span=True)
     if tune_mosaic:
         from pallas_kernels.decode_attention_mgpu import MosaicDecodeConfig
 
@@ -133,7 +156,7 @@ def run_case(case, results, sweep: bool, tune: bool = False, ours_only: bool = F
     for ks in BUILTIN_K_SPLITS:
         if width % ks == 0 and (width // ks) % min(8, width // ks) == 0:
             fn = jax.jit(functools.partial(builtin.paged_attention, k_splits=ks, pages_per_compute_block=min(8, width // ks)))
-            record(f"jax_builtin_pallas/k_splits={ks}", fn, q_scaled, k_h, v_h, table, lens)
+            record(f"jax_builtin_pallas/k_splits={ks}", fn, q_scaled, k_h, v_h, table, lens, gpu_span=True)
     del k_h, v_h
 
     record("xla_gather_reference", jax.jit(lambda *a: reference.paged_decode(*a)[0].astype(jnp.bfloat16)), q, k, v, table, lens)
@@ -146,7 +169,7 @@ def run_case(case, results, sweep: bool, tune: bool = False, ours_only: bool = F
         o = jax.nn.dot_product_attention(q[:, None], k_c, v_c, key_value_seq_lengths=lens, implementation="cudnn")
         return o[:, 0]
 
-    record("cudnn_contiguous", jax.jit(cudnn), q, k_c, v_c, lens)
+    record("cudnn_contiguous", jax.jit(cudnn), q, k_c, v_c, lens, gpu_span=True)
 
 
 def main(argv=None):
@@ -178,6 +201,7 @@ def main(argv=None):
         "machine": {"device": jax.devices()[0].device_kind, "platform": platform.platform(), "python": platform.python_version(), "jax": jax.__version__},
         "method": {"samples": SAMPLES, "reps_per_sample": REPS, "warmup": WARMUP, "unit": "microseconds per call", "datasheet_tbps": DATASHEET_TBPS,
                    "samples_us": f"{REPS} back-to-back jitted calls per sample, then a sync",
+                   "gpu_span": f"{TRACED_SAMPLES} profiler traces of {REPS} back-to-back calls: first kernel start to last kernel end, / {REPS}",
                    **({"in_program_samples_us": f"one jitted program of {REPS} calls per sample, then a sync"} if args.in_program else {}),
                    "flashinfer": "flashinfer/: CUDA events around REPS back-to-back runs; flashinfer_wall/: perf_counter around "
                                  "REPS runs and a sync, as ours; graph_samples_us: one CUDA graph of REPS runs"},
@@ -237,39 +261,77 @@ def finish(results, flashinfer_json: str | None, out_path: str) -> None:
 
 
 PEERS = {"flashinfer": "flashinfer/", "flashinfer_wall": "flashinfer_wall/", "jax_builtin_pallas": "jax_builtin_pallas/", "cudnn_contiguous": "cudnn_contiguous", "xla_gather_reference": "xla_gather_reference"}
+# GPU time per call: FlashInfer's CUDA events against the JAX variants' traced spans
+GPU_TIME_PEERS = {"flashinfer": "flashinfer/", "jax_builtin_pallas": "jax_builtin_pallas/", "cudnn_contiguous": "cudnn_contiguous"}
+def gpu_time(name: str, variant: dict) -> dict:
+    """A variant's GPU-time statistics: FlashInfer's CUDA-event samples, a JAX variant's traced
+    spans ({} when it has none)."""
+    return variant if name.startswith("flashinfer/") and "median_us" in variant else variant.get("gpu_span", {})
 
 
 def comparisons(results) -> dict:
-    """Speedup estimators of decodejax (auto, NHD) over each peer's best variant, on the target cases.
+    """Speedup estimators of decodejax (auto, NHD) over each peer's best variant on the target
+    cases: by the host's clock (`host_clock`, every variant's samples_us) and by GPU time per call
+    (`gpu_time`: `gpu_time`'s figures).
 
     Rows go through decodejax.evidence.compare, which refuses rows that differ in scope, phase,
     metric, GPU, precision, workload or statistic.
     """
     from decodejax import evidence
 
-    def row(case, variant):
-        return {"case": case, "scope": "kernel call (back-to-back calls)", "phase": "decode", "metric": "latency",
-                "gpu": results["machine"]["device"], "precision": "bf16", "workload": "paged decode, same data per case",
-                "statistic": "median", "median_us": variant["median_us"]}
+    def estimators(scope, peers, stats_of):
+        def row(case, stats):
+            return {"case": case, "scope": scope, "phase": "decode", "metric": "latency", "gpu": results["machine"]["device"],
+                    "precision": "bf16", "workload": "paged decode, same data per case", "statistic": "median",
+                    "median_us": stats["median_us"]}
 
-    ours, peers = [], {name: [] for name in PEERS}
-    for case, entry in results["cases"].items():
-        if "target" not in entry["case"]["tags"] or "median_us" not in entry["variants"].get("decodejax/nhd/auto", {}):
-            continue
-        ours.append(row(case, entry["variants"]["decodejax/nhd/auto"]))
-        for name, prefix in PEERS.items():
-            _, best = _best(entry["variants"], prefix)
-            if best:
-                peers[name].append(row(case, best))
-    return {name: evidence.compare(rows, ours) for name, rows in peers.items() if rows}
+        ours, rows = [], {name: [] for name in peers}
+        for case, entry in results["cases"].items():
+            mine = stats_of(OURS, entry["variants"].get(OURS, {}))
+            if "target" not in entry["case"]["tags"] or "median_us" not in mine:
+                continue
+            ours.append(row(case, mine))
+            for name, prefix in peers.items():
+                _, best = _best(entry["variants"], prefix, stats_of)
+                if best:
+                    rows[name].append(row(case, best))
+        return {name: evidence.compare(peer_rows, ours) for name, peer_rows in rows.items() if peer_rows}
+
+    return {"host_clock": estimators("kernel call (back-to-back calls, host clock)", PEERS, lambda name, v: v),
+            "gpu_time": estimators("GPU time per call (back-to-back calls)", GPU_TIME_PEERS, gpu_time)}
 
 
-def _best(variants, prefix):
-    timed = {k: v for k, v in variants.items() if k.startswith(prefix) and "median_us" in v}
+def _best(variants, prefix, stats_of=lambda name, v: v):
+    """(name, statistics) of the fastest variant whose name starts with `prefix`, by the median of
+    stats_of(name, variant); (None, None) if none is timed."""
+    timed = {k: stats_of(k, v) for k, v in variants.items() if k.startswith(prefix) and "median_us" in stats_of(k, v)}
     if not timed:
         return None, None
     name = min(timed, key=lambda k: timed[k]["median_us"])
     return name, timed[name]
+
+
+def gpu_time_table(results) -> list[str]:
+    """Markdown lines: GPU time per call of our call and the peers' (`gpu_time`), where traced."""
+    rows = []
+    for name, entry in results["cases"].items():
+        var = entry["variants"]
+        ours = gpu_time(OURS, var.get(OURS, {}))
+        if "median_us" not in ours:
+            continue
+        stats = {label: _best(var, prefix, gpu_time)[1] for label, prefix in
+                 (("mosaic", MOSAIC_AUTO), ("builtin", "jax_builtin_pallas/"), ("cudnn", "cudnn_contiguous"), ("fi", "flashinfer/"))}
+        fmt = lambda v: f"{v['median_us']:.1f}" if v else "n/a"
+        ratio = lambda peer: f"{peer['median_us'] / ours['median_us']:.2f}x" if peer else "n/a"
+        rows.append(f"| {name} | {ours['median_us']:.1f} / {ours['min_us']:.1f} | {ours['tbps_median']:.2f} | {fmt(stats['mosaic'])} | "
+                    f"{fmt(stats['builtin'])} | {fmt(stats['cudnn'])} | {fmt(stats['fi'])} | {ratio(stats['builtin'])} | {ratio(stats['fi'])} |")
+    if not rows:
+        return []
+    return ["", f"GPU time per call (us, median of {TRACED_SAMPLES} runs of {results['method']['reps_per_sample']} back-to-back "
+            "calls): ours and the JAX peers from a profiler trace of each run (first kernel's start to last kernel's end), "
+            "FlashInfer from CUDA events around its runs. Neither includes the host's first dispatch of a run or the final sync.", "",
+            "| case | decodejax (auto, NHD) med / min | TB/s | Mosaic GPU (auto) | JAX builtin Pallas (best) | cuDNN contiguous "
+            "| FlashInfer best (CUDA events) | ours vs builtin | ours vs FlashInfer |", "|---|---|---|---|---|---|---|---|---|", *rows]
 
 
 def render_table(results) -> str:
@@ -288,7 +350,7 @@ def render_table(results) -> str:
     ]
     for name, entry in results["cases"].items():
         var = entry["variants"]
-        auto = var.get("decodejax/nhd/auto", {})
+        auto = var.get(OURS, {})
         if "median_us" not in auto:
             lines.append(f"| {name} | error | | | | | | | | | | |")
             continue
@@ -306,19 +368,23 @@ def render_table(results) -> str:
             f"{fmt(var.get('cudnn_contiguous'))} | {fmt(fw)}{setting(fw_name)} | {fmt(fi)}{setting(fi_name)} | "
             f"{ratio(bi)} | {ratio(fw)} | {ratio(fi)} |"
         )
+    lines += gpu_time_table(results)
     if results.get("comparisons"):
         lines += ["", "Speedup of decodejax (auto) over each peer's best variant on the five target shapes "
-                  "(peer median / decodejax median; `decodejax.evidence.ratio_estimators`):", "",
-                  "| peer | arithmetic mean of ratios | ratio of summed times | geometric mean | max | per case |", "|---|---|---|---|---|---|"]
-        for name, est in results["comparisons"].items():
-            per_case = ", ".join(f"{c}: {r:.2f}" for c, r in est["ratios"].items())
-            lines.append(f"| {name} | {est['arithmetic_mean_of_ratios']:.2f} | {est['ratio_of_sums']:.2f} | {est['geometric_mean']:.2f} | {est['max']:.2f} | {per_case} |")
+                  "(peer median / decodejax median; `decodejax.evidence.ratio_estimators`), by the host's clock and by GPU time:", "",
+                  "| timing | peer | arithmetic mean of ratios | ratio of summed times | geometric mean | max | per case |",
+                  "|---|---|---|---|---|---|---|"]
+        for timing, by_peer in results["comparisons"].items():
+            for name, est in by_peer.items():
+                per_case = ", ".join(f"{c}: {r:.2f}" for c, r in est["ratios"].items())
+                lines.append(f"| {timing} | {name} | {est['arithmetic_mean_of_ratios']:.2f} | {est['ratio_of_sums']:.2f} | "
+                             f"{est['geometric_mean']:.2f} | {est['max']:.2f} | {per_case} |")
     mosaic = [(name, e["variants"]) for name, e in results["cases"].items() if "median_us" in e["variants"].get(MOSAIC_AUTO, {})]
     if mosaic:
         lines += ["", "The Mosaic GPU kernel against the Triton kernel, both default paths of this run, median / min us:", "",
                   "| case | Triton (auto) | Mosaic GPU (auto) | TB/s (Mosaic) | Mosaic speed / Triton speed |", "|---|---|---|---|---|"]
         for name, var in mosaic:
-            tri, mg = var["decodejax/nhd/auto"], var[MOSAIC_AUTO]
+            tri, mg = var[OURS], var[MOSAIC_AUTO]
             lines.append(f"| {name} | {tri['median_us']:.1f} / {tri['min_us']:.1f} | {mg['median_us']:.1f} / {mg['min_us']:.1f} | "
                          f"{mg['tbps_median']:.2f} | {tri['median_us'] / mg['median_us']:.2f}x |")
     lines += ["", "Split-count sweep (decodejax, NHD), median us:", ""]
@@ -329,7 +395,7 @@ def render_table(results) -> str:
         if not any(k.startswith("decodejax/nhd/splits=") for k in var):
             continue
         cells = [f"{var.get(f'decodejax/nhd/splits={s}', {}).get('median_us', float('nan')):.1f}" for s in SPLIT_SWEEP]
-        cells += [f"{var.get('decodejax/nhd/auto', {}).get('median_us', float('nan')):.1f}", f"{var.get('decodejax/nhd/deterministic', {}).get('median_us', float('nan')):.1f}"]
+        cells += [f"{var.get(OURS, {}).get('median_us', float('nan')):.1f}", f"{var.get('decodejax/nhd/deterministic', {}).get('median_us', float('nan')):.1f}"]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

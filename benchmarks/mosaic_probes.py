@@ -8,6 +8,7 @@
     python -m benchmarks.mosaic_probes dispatch OUT.json  # host time per call, and the wall time by run length
     python -m benchmarks.mosaic_probes plans OUT.json     # the Triton kernel under other split plans
     python -m benchmarks.mosaic_probes plan_configs OUT.json  # split plans crossed with smaller tiles
+    python -m benchmarks.mosaic_probes timeline OUT.json  # GPU idle between back-to-back calls, and the host's work
 
 `layout`: are strided page copies (NHD rows are H_kv * D apart) what holds the kernel back?
 `configs`: do configs small enough for two programs per SM (80 KiB of shared memory) beat the
@@ -26,7 +27,12 @@ dispatch per call). `plan_configs`: with the default tile (128-token blocks, 3 s
 of shared memory) one program runs per SM, so nothing may hide a program's pipeline fill; with
 tiles small enough for two or three programs per SM, do fine split plans (which balance a ragged
 batch) stop costing uniform batches? Same timing method as `decode_attention.py` (`time_jax`:
-back-to-back calls) unless a question says otherwise.
+back-to-back calls) unless a question says otherwise. `timeline`: back to back, a call takes
+several microseconds longer than its kernels' GPU time; is the GPU idle between calls, and is it
+waiting for the host? A trace of 50 back-to-back calls (Python's tracer off) gives the GPU's busy
+and idle time per call, the gaps between launches and the host's traced work per call, for our
+call (results dropped as the benchmark does, kept alive, and through the AOT-compiled
+executable) beside the one-op floor; OUT.raw.json keeps every traced event.
 """
 
 from __future__ import annotations
@@ -157,6 +163,44 @@ def _dispatch_timings(fn, args, runs=(10, 50, 200), samples: int = 15) -> dict:
     return {"host_us": float(np.median(host)), "wall_us_by_run": {n: float(np.median(w)) for n, w in wall.items()}}
 
 
+def _kept_calls_us(fn, args, calls: int = 50, samples: int = 15) -> list[float]:
+    """Microseconds per call of `calls` back-to-back calls whose results all stay alive until
+    the sync (nothing is freed while the calls run)."""
+    import time
+
+    import jax
+
+    out = []
+    for _ in range(samples):
+        t0 = time.perf_counter()
+        kept = [fn(*args) for _ in range(calls)]
+        jax.block_until_ready(kept)
+        out.append((time.perf_counter() - t0) * 1e6 / calls)
+    return out
+
+
+def _timeline(fn, args, keep: bool, calls: int = 50) -> tuple[dict, list]:
+    """stream_timeline of `calls` back-to-back calls (results kept alive or dropped), and the
+    trace's raw events (plane, line, name, start ns, duration ns), Python's left out."""
+    import jax
+
+    from benchmarks.profile_summary import stream_timeline, traced
+
+    def run():
+        kept, result = [], None
+        for _ in range(calls):
+            result = fn(*args)
+            if keep:
+                kept.append(result)
+        jax.block_until_ready(result)
+
+    run()
+    planes, wall_ms = traced(run, python_tracer=False)
+    raw = [(plane.name, line.name, e.name[:120], e.start_ns, e.duration_ns) for plane in planes for line in plane.lines
+           for e in line.events if not e.name.startswith("$")]
+    return stream_timeline(planes, calls) | {"wall_us_per_call_traced": wall_ms * 1e3 / calls}, raw
+
+
 def main(argv=None):
     import jax
     import jax.numpy as jnp
@@ -174,6 +218,7 @@ def main(argv=None):
               "splits": ((1, 32768), (8, 8192), (32, 4096), (128, 1024), (128, 4096), (32, 4096, 128, 32)),
               "profile": ((1, 32768), (8, 8192), (32, 4096), (128, 1024)),
               "dispatch": ((1, 32768), (8, 8192), (32, 4096), (128, 1024)), "plans": (),
+              "timeline": ((1, 32768), (8, 8192), (32, 4096), (128, 1024)),
               "plan_configs": ()}[question]
     cases = {"plans": list(bench_cases.CASES), "plan_configs": [c for c in bench_cases.CASES if c.name.startswith(
         ("B8_", "B32_", "B64_", "ragged", "d64"))]}.get(question, [])
@@ -181,12 +226,15 @@ def main(argv=None):
         head_dim, kv_heads = (rest + [128, 8][len(rest):])[:2]  # defaults: D 128, 8 K/V heads
         cases.append(bench_cases.Case(f"B{batch}_T{length}_D{head_dim}_Hkv{kv_heads}", batch, length, head_dim=head_dim,
                                       q_heads=max(32, kv_heads), kv_heads=kv_heads))
-    out = {}
+    out, raw = {}, {}
 
     def save():
         with open(out_path, "w") as f:
             json.dump({"question": question, "machine": jax.devices()[0].device_kind, "jax": jax.__version__, "results": out}, f,
                       indent=1)
+        if raw:
+            with open(out_path.removesuffix(".json") + ".raw.json", "w") as f:
+                json.dump(raw, f)
 
     for case in cases:
         data = bench_cases.make_case(case)
@@ -209,6 +257,21 @@ def main(argv=None):
             fn = jax.jit(functools.partial(decodejax.decode_attention, backend="pallas_triton"))
             out[f"{case.name}/triton/nhd"] = _dispatch_timings(fn, (q, k, v, table, lens))
             print(case.name, json.dumps(out[f"{case.name}/one_op_floor"]), json.dumps(out[f"{case.name}/triton/nhd"]), flush=True)
+            continue
+        elif question == "timeline":
+            args = (q, k, v, table, lens)
+            fn = jax.jit(functools.partial(decodejax.decode_attention, backend="pallas_triton"))
+            callers = {"one_op_floor": jax.jit(lambda q, k, v, table, lens: q * 2), "triton/nhd": fn,
+                       "triton/nhd/aot": fn.lower(*args).compile()}
+            for name, caller in callers.items():
+                for keep in (False, True):
+                    key = f"{case.name}/{name}/{'kept' if keep else 'dropped'}"
+                    summary, raw[key] = _timeline(caller, args, keep)
+                    samples = _kept_calls_us(caller, args) if keep else time_jax(caller, *args)
+                    out[key] = summary | {"median_us": float(np.median(samples)), "min_us": float(np.min(samples)), "samples_us": samples}
+                    print(key, f"{out[key]['median_us']:.1f} us; GPU busy {summary['busy_us_per_step']:.1f} idle "
+                          f"{summary['idle_us_per_step']:.1f} per call; gaps {summary['gaps_us']}", flush=True)
+            save()
             continue
         elif question == "bottleneck":
             variants.update(_bottleneck_variants(k, v))

@@ -1,7 +1,13 @@
 """Where a step's device time goes: GPU activity of a jax.profiler trace, summed by name.
 
     summary = traced_device_activity(run_n_steps, steps=N)  # or, for a trace of your own:
-    summary = device_activity(trace_dir, steps=N)
+    summary = summarize_planes(load_planes(trace_dir), steps=N)
+    timeline = stream_timeline(planes, steps=N)  # GPU busy and idle, and the host's traced work
+
+`stream_timeline` answers what the sums cannot: whether the GPU waits between launches (the
+idle time from the first launch's start to the last one's end) and what the host's traced
+work per step is (host events summed by name, each thread apart; nested events are each
+counted, so the names overlap).
 
 Reads every `*.xplane.pb` under the trace directory with `jax.profiler.ProfileData` and sums
 the events of the GPU planes' stream lines (kernels and copies, one event per launch) by
@@ -19,6 +25,8 @@ import time
 
 DEVICE_PLANE_PREFIX = "/device:GPU"
 STREAM_LINE_PREFIX = "Stream"
+HOST_PLANE_PREFIX = "/host:CPU"
+PYTHON_EVENT_PREFIX = "$"  # the Python tracer's function events
 
 
 def summarize_planes(planes, steps: int, top: int = 15) -> dict:
@@ -45,24 +53,70 @@ def summarize_planes(planes, steps: int, top: int = 15) -> dict:
     }
 
 
-def device_activity(trace_dir: str, steps: int, top: int = 15) -> dict:
+def _percentile(sorted_values: list, q: float):
+    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))] if sorted_values else None
+
+
+def stream_timeline(planes, steps: int, top: int = 12) -> dict:
+    """GPU busy and idle time per step over the traced stream events, and the host's traced work.
+
+    `gaps_us` are the waits between one stream event's end and the next one's start, in start
+    order over all GPU stream lines (a negative gap is an overlap); `idle_us_per_step` is the
+    span from the first start to the last end less the busy time, per step."""
+    spans, host = [], collections.defaultdict(collections.Counter)
+    for plane in planes:
+        if plane.name.startswith(DEVICE_PLANE_PREFIX):
+            spans += [(e.start_ns, e.start_ns + e.duration_ns) for line in plane.lines
+                      if line.name.startswith(STREAM_LINE_PREFIX) for e in line.events]
+        elif plane.name.startswith(HOST_PLANE_PREFIX):
+            for line in plane.lines:
+                for e in line.events:
+                    if not e.name.startswith(PYTHON_EVENT_PREFIX):
+                        host[line.name][e.name] += e.duration_ns
+    spans.sort()
+    gaps = sorted(b[0] - a[1] for a, b in zip(spans, spans[1:]))
+    busy = sum(end - start for start, end in spans)
+    span = spans[-1][1] - spans[0][0] if spans else 0
+    threads = sorted(host, key=lambda t: -sum(host[t].values()))
+    return {
+        "steps": steps,
+        "gpu_events": len(spans),
+        "span_us_per_step": span / steps / 1e3,
+        "busy_us_per_step": busy / steps / 1e3,
+        "idle_us_per_step": (span - busy) / steps / 1e3,
+        "gaps_us": {name: (g / 1e3 if g is not None else None) for name, g in
+                    (("median", _percentile(gaps, 0.5)), ("p90", _percentile(gaps, 0.9)), ("max", gaps[-1] if gaps else None))},
+        "host_us_per_step": {t: {name: ns / steps / 1e3 for name, ns in host[t].most_common(top)} for t in threads[:4]},
+    }
+
+
+def load_planes(trace_dir: str) -> list:
     import jax
 
     planes = []
     for path in glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True):
         planes.extend(jax.profiler.ProfileData.from_file(path).planes)
-    return summarize_planes(planes, steps, top)
+    return planes
+
+
+def traced(run, *, python_tracer: bool = True) -> tuple[list, float]:
+    """Calls run() (which must end with its device work done) under a jax.profiler trace:
+    (the trace's planes, run()'s wall time in ms). python_tracer=False leaves Python's function
+    events out, so the host's traced times are not inflated by the tracer."""
+    import jax
+
+    options = jax.profiler.ProfileOptions()
+    if not python_tracer:
+        options.python_tracer_level = 0
+    trace_dir = tempfile.mkdtemp(prefix="decodejax_trace_")
+    t = time.perf_counter()
+    with jax.profiler.trace(trace_dir, profiler_options=options):
+        run()
+    return load_planes(trace_dir), (time.perf_counter() - t) * 1e3
 
 
 def traced_device_activity(run, steps: int, top: int = 15) -> dict:
-    """Calls run() (which must end with its device work done) under a jax.profiler trace and
-    returns its GPU activity per step, `steps` being the steps run() made, with the wall time
-    per step from the trace's start to its end (`wall_ms_per_step_traced`)."""
-    import jax
-
-    trace_dir = tempfile.mkdtemp(prefix="decodejax_trace_")
-    t = time.perf_counter()
-    with jax.profiler.trace(trace_dir):
-        run()
-    wall_ms = (time.perf_counter() - t) * 1e3
-    return device_activity(trace_dir, steps, top) | {"wall_ms_per_step_traced": wall_ms / steps}
+    """run()'s GPU activity per step (`summarize_planes`), `steps` being the steps run() made,
+    with the wall time per step from the trace's start to its end (`wall_ms_per_step_traced`)."""
+    planes, wall_ms = traced(run)
+    return summarize_planes(planes, steps, top) | {"wall_ms_per_step_traced": wall_ms / steps}

@@ -4,11 +4,15 @@ from types import SimpleNamespace as NS
 
 import pytest
 
-from benchmarks.profile_summary import summarize_planes
+from benchmarks.profile_summary import stream_timeline, summarize_planes
 
 
 def _line(name, *events):
     return NS(name=name, events=[NS(name=n, duration_ns=d) for n, d in events])
+
+
+def _timed_line(name, *events):
+    return NS(name=name, events=[NS(name=n, start_ns=t, duration_ns=d) for n, t, d in events])
 
 
 def test_gpu_stream_events_are_summed_per_step_by_name():
@@ -23,6 +27,29 @@ def test_gpu_stream_events_are_summed_per_step_by_name():
     assert s["lines_read"] == ["/device:GPU:0 Stream #13(Compute)"]
     assert s["device_us_per_step"] == pytest.approx(4.5) and s["launches_per_step"] == 1.5
     assert s["top"] == [{"name": "gemm", "us_per_step": 2.5, "launches_per_step": 0.5, "share": pytest.approx(5 / 9)}]
+
+
+def test_stream_timeline_splits_the_span_into_busy_and_idle_and_sums_host_work_by_thread():
+    planes = [
+        NS(name="/host:CPU", lines=[
+            _timed_line("python3", ("$bench.py:10 loop", 0, 90_000), ("PjitFunction(decode)", 0, 6_000), ("PjitFunction(decode)", 50_000, 4_000)),
+            _timed_line("worker", ("ExecuteHelper", 1_000, 2_000)),
+        ]),
+        NS(name="/device:GPU:0", lines=[
+            # two streams: the copy on stream 14 overlaps the first kernel (a negative gap)
+            _timed_line("Stream #13(Compute)", ("decodejax_paged_decode", 10_000, 20_000), ("decodejax_paged_decode", 40_000, 20_000)),
+            _timed_line("Stream #14(MemcpyD2D)", ("memcpy", 25_000, 10_000)),
+            _timed_line("XLA Ops", ("fusion.1", 0, 99_000)),
+        ]),
+    ]
+    t = stream_timeline(planes, steps=2)
+    assert t["gpu_events"] == 3
+    assert t["span_us_per_step"] == pytest.approx(25.0)  # 10..60 us over 2 steps
+    assert t["busy_us_per_step"] == pytest.approx(25.0)  # (20 + 20 + 10) us over 2 steps
+    assert t["idle_us_per_step"] == pytest.approx(0.0)  # span 50 us: 10..60, all of it counted busy
+    assert t["gaps_us"] == {"median": pytest.approx(5.0), "p90": pytest.approx(5.0), "max": pytest.approx(5.0)}  # -5 and 5
+    assert t["host_us_per_step"] == {"python3": {"PjitFunction(decode)": pytest.approx(5.0)},
+                                     "worker": {"ExecuteHelper": pytest.approx(1.0)}}
 
 
 def test_hopper_compile_reads_each_kernels_triton_ir_from_the_cuda_lowering():
@@ -53,3 +80,27 @@ def test_plan_probe_patches_the_planner_rules_and_restores_them():
     assert (before.capacity, before.target_splits, before.max_split_blocks) == (4, 33, 32)
     assert (during.capacity, during.target_splits, during.max_split_blocks) == (8, 66, 16)
     assert (planning.decode_target_splits, planning.MAX_SPLIT_TOKENS) == rules and ragged_plan() == before
+
+
+def test_decode_benchmark_compares_gpu_time_with_flashinfers_events_and_host_clock_with_host_clock():
+    """Our traced GPU span meets FlashInfer's CUDA events; our host-clock samples its host-clock ones."""
+    from benchmarks.decode_attention import comparisons, gpu_time_table
+
+    stats = lambda median: {"median_us": median, "min_us": median - 1, "tbps_median": 1.0}
+    variants = {
+        "decodejax/nhd/auto": stats(135.0) | {"gpu_span": stats(129.0)},
+        "jax_builtin_pallas/k_splits=1": stats(250.0) | {"gpu_span": stats(240.0)},
+        "jax_builtin_pallas/k_splits=2": stats(245.0) | {"gpu_span": stats(246.0)},  # faster by host clock only
+        "flashinfer/tensor_cores=True": stats(127.0),  # CUDA events
+        "flashinfer_wall/tensor_cores=True": stats(128.0),
+    }
+    results = {"machine": {"device": "H200"}, "method": {"reps_per_sample": 50},
+               "cases": {"B32_T4096": {"case": {"tags": ["target"]}, "variants": variants}}}
+    c = comparisons(results)
+    assert c["host_clock"]["flashinfer"]["ratios"] == {"B32_T4096": pytest.approx(127 / 135)}
+    assert c["host_clock"]["jax_builtin_pallas"]["ratios"] == {"B32_T4096": pytest.approx(245 / 135)}
+    assert c["gpu_time"]["flashinfer"]["ratios"] == {"B32_T4096": pytest.approx(127 / 129)}
+    assert c["gpu_time"]["jax_builtin_pallas"]["ratios"] == {"B32_T4096": pytest.approx(240 / 129)}
+    assert "flashinfer_wall" not in c["gpu_time"]
+    row = gpu_time_table(results)[-1]
+    assert row.startswith("| B32_T4096 | 129.0 / 128.0 |") and row.endswith("| 1.86x | 0.98x |")
