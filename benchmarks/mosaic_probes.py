@@ -9,6 +9,7 @@
     python -m benchmarks.mosaic_probes plans OUT.json     # the Triton kernel under other split plans
     python -m benchmarks.mosaic_probes plan_configs OUT.json  # split plans crossed with smaller tiles
     python -m benchmarks.mosaic_probes timeline OUT.json  # GPU idle between back-to-back calls, and the host's work
+    python -m benchmarks.mosaic_probes launches OUT.json  # the host's cost of a call by its number of launches
 
 `layout`: are strided page copies (NHD rows are H_kv * D apart) what holds the kernel back?
 `configs`: do configs small enough for two programs per SM (80 KiB of shared memory) beat the
@@ -32,7 +33,10 @@ several microseconds longer than its kernels' GPU time; is the GPU idle between 
 waiting for the host? A trace of 50 back-to-back calls (Python's tracer off) gives the GPU's busy
 and idle time per call, the gaps between launches and the host's traced work per call, for our
 call (results dropped as the benchmark does, kept alive, and through the AOT-compiled
-executable) beside the one-op floor; OUT.raw.json keeps every traced event.
+executable) beside the one-op floor; OUT.raw.json keeps every traced event. `launches`: what
+does the host pay per call for one launch, for two (kernel and merge), and for the one-op
+floor? Short contexts (B 1, T 1,024 and 4,096: a few microseconds of GPU time), so that every
+figure is the host's; `_dispatch_timings` and a trace of each, as `timeline`.
 """
 
 from __future__ import annotations
@@ -219,6 +223,7 @@ def main(argv=None):
               "profile": ((1, 32768), (8, 8192), (32, 4096), (128, 1024)),
               "dispatch": ((1, 32768), (8, 8192), (32, 4096), (128, 1024)), "plans": (),
               "timeline": ((1, 32768), (8, 8192), (32, 4096), (128, 1024)),
+              "launches": ((1, 1024), (1, 4096)),
               "plan_configs": ()}[question]
     cases = {"plans": list(bench_cases.CASES), "plan_configs": [c for c in bench_cases.CASES if c.name.startswith(
         ("B8_", "B32_", "B64_", "ragged", "d64"))]}.get(question, [])
@@ -258,12 +263,19 @@ def main(argv=None):
             out[f"{case.name}/triton/nhd"] = _dispatch_timings(fn, (q, k, v, table, lens))
             print(case.name, json.dumps(out[f"{case.name}/one_op_floor"]), json.dumps(out[f"{case.name}/triton/nhd"]), flush=True)
             continue
-        elif question == "timeline":
+        elif question in ("timeline", "launches"):
             args = (q, k, v, table, lens)
-            fn = jax.jit(functools.partial(decodejax.decode_attention, backend="pallas_triton"))
-            callers = {"one_op_floor": jax.jit(lambda q, k, v, table, lens: q * 2), "triton/nhd": fn,
-                       "triton/nhd/aot": fn.lower(*args).compile()}
+            ours = lambda **kw: jax.jit(functools.partial(decodejax.decode_attention, backend="pallas_triton", **kw))
+            callers = {"one_op_floor": jax.jit(lambda q, k, v, table, lens: q * 2)}
+            if question == "timeline":
+                callers |= {"triton/nhd": ours(), "triton/nhd/aot": ours().lower(*args).compile()}
+            else:
+                callers |= {"triton/one_launch": ours(num_splits=1), "triton/two_launches": ours(num_splits=2),
+                            "triton/one_launch_two_partials": ours(num_splits=2, return_partial_states=True)}
             for name, caller in callers.items():
+                if question == "launches":
+                    out[f"{case.name}/{name}/dispatch"] = _dispatch_timings(caller, args)
+                    print(f"{case.name}/{name}/dispatch", json.dumps(out[f"{case.name}/{name}/dispatch"]), flush=True)
                 for keep in (False, True):
                     key = f"{case.name}/{name}/{'kept' if keep else 'dropped'}"
                     summary, raw[key] = _timeline(caller, args, keep)
