@@ -10,6 +10,7 @@
     python -m benchmarks.mosaic_probes plan_configs OUT.json  # split plans crossed with smaller tiles
     python -m benchmarks.mosaic_probes timeline OUT.json  # GPU idle between back-to-back calls, and the host's work
     python -m benchmarks.mosaic_probes launches OUT.json  # the host's cost of a call by its number of launches
+    python -m benchmarks.mosaic_probes sync OUT.json      # waiting for a result asleep (block_until_ready) or spinning
 
 `layout`: are strided page copies (NHD rows are H_kv * D apart) what holds the kernel back?
 `configs`: do configs small enough for two programs per SM (80 KiB of shared memory) beat the
@@ -36,7 +37,12 @@ call (results dropped as the benchmark does, kept alive, and through the AOT-com
 executable) beside the one-op floor; OUT.raw.json keeps every traced event. `launches`: what
 does the host pay per call for one launch, for two (kernel and merge), and for the one-op
 floor? Short contexts (B 1, T 1,024 and 4,096: a few microseconds of GPU time), so that every
-figure is the host's; `_dispatch_timings` and a trace of each, as `timeline`.
+figure is the host's; `_dispatch_timings` and a trace of each, as `timeline`. `sync`: after
+`block_until_ready` the host's next dispatch is several times slower than a warm one (the
+timeline traces); does waiting by polling `is_ready()` instead (a spinning wait, as
+torch.cuda.synchronize's default) keep it warm? Back-to-back runs of 50 calls, single calls each
+waited for, and one call kept in flight while the previous one is waited for (the engine's
+overlapped decode), each with both waits.
 """
 
 from __future__ import annotations
@@ -183,6 +189,49 @@ def _kept_calls_us(fn, args, calls: int = 50, samples: int = 15) -> list[float]:
     return out
 
 
+def _spin_until_ready(x) -> None:
+    """Waits for x by polling (the thread never sleeps), then returns."""
+    while not x.is_ready():
+        pass
+
+
+def _sync_timings(fn, args, spin: bool, samples: int = 30) -> dict:
+    """Median microseconds per call: runs of 50 back-to-back calls and a wait (`back_to_back`),
+    single calls each waited for (`single`), and one call in flight while the previous one is
+    waited for (`overlapped`); the wait spins on is_ready() before block_until_ready when `spin`."""
+    import time
+
+    import jax
+    import numpy as np
+
+    def wait(x):
+        if spin:
+            _spin_until_ready(x)
+        jax.block_until_ready(x)
+
+    wait(fn(*args))
+    runs = {"back_to_back": [], "single": [], "overlapped": []}
+    for _ in range(samples):
+        t0 = time.perf_counter()
+        for _ in range(50):
+            result = fn(*args)
+        wait(result)
+        runs["back_to_back"].append((time.perf_counter() - t0) * 1e6 / 50)
+        t0 = time.perf_counter()
+        for _ in range(20):
+            wait(fn(*args))
+        runs["single"].append((time.perf_counter() - t0) * 1e6 / 20)
+        t0 = time.perf_counter()
+        previous = fn(*args)
+        for _ in range(20):
+            current = fn(*args)
+            wait(previous)
+            previous = current
+        wait(previous)
+        runs["overlapped"].append((time.perf_counter() - t0) * 1e6 / 21)
+    return {name: float(np.median(v)) for name, v in runs.items()} | {"samples_us": runs}
+
+
 def _timeline(fn, args, keep: bool, calls: int = 50) -> tuple[dict, list]:
     """stream_timeline of `calls` back-to-back calls (results kept alive or dropped), and the
     trace's raw events (plane, line, name, start ns, duration ns), Python's left out."""
@@ -224,6 +273,7 @@ def main(argv=None):
               "dispatch": ((1, 32768), (8, 8192), (32, 4096), (128, 1024)), "plans": (),
               "timeline": ((1, 32768), (8, 8192), (32, 4096), (128, 1024)),
               "launches": ((1, 1024), (1, 4096)),
+              "sync": ((1, 32768), (8, 8192), (32, 4096)),
               "plan_configs": ()}[question]
     cases = {"plans": list(bench_cases.CASES), "plan_configs": [c for c in bench_cases.CASES if c.name.startswith(
         ("B8_", "B32_", "B64_", "ragged", "d64"))]}.get(question, [])
@@ -262,6 +312,18 @@ def main(argv=None):
             fn = jax.jit(functools.partial(decodejax.decode_attention, backend="pallas_triton"))
             out[f"{case.name}/triton/nhd"] = _dispatch_timings(fn, (q, k, v, table, lens))
             print(case.name, json.dumps(out[f"{case.name}/one_op_floor"]), json.dumps(out[f"{case.name}/triton/nhd"]), flush=True)
+            continue
+        elif question == "sync":
+            args = (q, k, v, table, lens)
+            callers = {"one_op_floor": jax.jit(lambda q, k, v, table, lens: q * 2),
+                       "triton/nhd": jax.jit(functools.partial(decodejax.decode_attention, backend="pallas_triton"))}
+            for name, caller in callers.items():
+                for spin in (False, True, False, True):  # twice each, interleaved: process drift shows up
+                    key = f"{case.name}/{name}/{'spin' if spin else 'block'}"
+                    stats = _sync_timings(caller, args, spin)
+                    out.setdefault(key, []).append(stats)
+                    print(key, {n: round(stats[n], 1) for n in ("back_to_back", "single", "overlapped")}, flush=True)
+            save()
             continue
         elif question in ("timeline", "launches"):
             args = (q, k, v, table, lens)
