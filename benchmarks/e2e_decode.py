@@ -21,9 +21,7 @@ rows gathered (a tied head reads the table as the head). K/V bytes read = batch 
 layers x H_kv x D x 2 x itemsize.
 
 Each shape also replays its compiled step back to back (`replay_ms`): the device-bound step
-time, whose gap to ms per step is the engine's host work between steps. The engine waits for
-a step's tokens spinning on a GPU (`RunnerConfig.spin_wait`); `--compare-wait` also times each
-shape with the other wait (asleep in the copy), `steps` more steps after the timed ones.
+time, whose gap to ms per step is the engine's host work between steps.
 
 `--profile-steps N` traces N more steps per shape with jax.profiler and records the GPU time
 per step by kernel name (benchmarks.profile_summary): what the step's time goes to.
@@ -101,8 +99,11 @@ def seat_prefilled(engine, batch: int, context: int, max_new_tokens: int, rng) -
     return seated
 
 
-def timed_steps(engine, batch: int, steps: int) -> list[float]:
-    """ms of each of `steps` engine steps."""
+def measure(engine, batch: int, context: int, steps: int, warmup: int, rng, profile_steps: int = 0) -> dict:
+    free_before = engine.allocator.num_free
+    seated = seat_prefilled(engine, batch, context, warmup + steps + profile_steps + 4, rng)  # running after the last step and both drains
+    for _ in range(warmup):
+        engine.step()
     times = []
     for _ in range(steps):
         t = time.perf_counter()
@@ -110,31 +111,6 @@ def timed_steps(engine, batch: int, steps: int) -> list[float]:
         times.append((time.perf_counter() - t) * 1e3)
         if len(produced) != batch:
             raise RuntimeError(f"a step produced {len(produced)} tokens for a batch of {batch}")
-    return times
-
-
-def wait_name(runner) -> str:
-    return "spin" if runner.spin_wait else "sleep"
-
-
-def measure(engine, batch: int, context: int, steps: int, warmup: int, rng, profile_steps: int = 0,
-            compare_wait: bool = False) -> dict:
-    """One shape's row; with compare_wait, `steps` more steps with the runner's other wait for
-    the step's tokens (`RunnerConfig.spin_wait`), after the timed ones."""
-    free_before = engine.allocator.num_free
-    # running after the last step and both drains
-    seated = seat_prefilled(engine, batch, context, warmup + steps * (1 + compare_wait) + profile_steps + 4, rng)
-    for _ in range(warmup):
-        engine.step()
-    times = timed_steps(engine, batch, steps)
-    other = {}
-    if compare_wait:
-        runner = engine.runner
-        runner.spin_wait = not runner.spin_wait
-        other_times = timed_steps(engine, batch, steps)
-        other = {"other_wait": wait_name(runner), "other_wait_step_ms_samples": other_times,
-                 "other_wait_step_ms_median": float(np.median(other_times))}
-        runner.spin_wait = not runner.spin_wait
     replay = replay_step_ms(engine, seated)
     profile = profile_engine_steps(engine, profile_steps) if profile_steps else None
     for req in seated:
@@ -142,9 +118,9 @@ def measure(engine, batch: int, context: int, steps: int, warmup: int, rng, prof
     if engine.allocator.num_free != free_before:
         raise RuntimeError(f"free pages {engine.allocator.num_free} != {free_before} after the shape")
     median = float(np.median(times))
-    row = {"batch": batch, "context": context, "wait": wait_name(engine.runner), "step_ms_samples": times, "step_ms_median": median,
+    row = {"batch": batch, "context": context, "step_ms_samples": times, "step_ms_median": median,
            "step_ms_min": float(np.min(times)), "tokens_per_s": batch / (median / 1e3),
-           "replay_ms_samples": replay, "replay_ms_median": float(np.median(replay)), **other}
+           "replay_ms_samples": replay, "replay_ms_median": float(np.median(replay))}
     if profile is not None:
         row["profile"] = profile
     return row
@@ -257,8 +233,6 @@ def main(argv=None):
     parser.add_argument("--peer", action="store_true", help="run benchmarks.peers.hf_generate in a second process")
     parser.add_argument("--peer-json", default=None, help="a finished benchmarks.peers.hf_generate result to compare with")
     parser.add_argument("--from-json", default=None, help="an earlier result of this script to add the peer to (no measuring)")
-    parser.add_argument("--compare-wait", action="store_true", help="also time each shape with the runner's other wait "
-                        "for a step's tokens (spinning or asleep; RunnerConfig.spin_wait)")
     parser.add_argument("--out", default="benchmarks/results/e2e_decode.json")
     args = parser.parse_args(argv)
     batches = [int(b) for b in args.batch.split(",")]
@@ -296,7 +270,7 @@ def measure_all(args, batches: list[int], contexts: list[int]) -> dict:
 
     from models import llama
 
-    page, extra = 16, args.warmup + args.steps * (1 + args.compare_wait) + args.profile_steps + 4
+    page, extra = 16, args.warmup + args.steps + args.profile_steps + 4
     t0 = time.perf_counter()
     model = llama.random(args.model, dtype=jnp.dtype(args.dtype))
     build_s = time.perf_counter() - t0
@@ -320,15 +294,14 @@ def measure_all(args, batches: list[int], contexts: list[int]) -> dict:
                 rows.append({"batch": batch, "context": context, "skipped": f"{need} pages needed, the pool holds {engine.allocator.num_free}"})
                 print(f"B={batch:4d} T={context:5d}  skipped: {rows[-1]['skipped']}", flush=True)
                 continue
-            r = measure(engine, batch, context, args.steps, args.warmup, rng, args.profile_steps, args.compare_wait)
+            r = measure(engine, batch, context, args.steps, args.warmup, rng, args.profile_steps)
             wbytes, kvbytes = weight_bytes_read(model, batch), kv_bytes_read(model.config, batch, context, dbytes)
             roof_ms = (wbytes + kvbytes) / DATASHEET_BPS * 1e3
             r.update(weight_bytes_read=wbytes, kv_bytes_read=kvbytes, roofline_ms=roof_ms, roofline_fraction=roof_ms / r["step_ms_median"])
             rows.append(r)
             write_json(result, args.out)  # after every shape: a cut-off run keeps what it measured
-            print(f"B={batch:4d} T={context:5d}  {r['step_ms_median']:8.2f} ms/step (min {r['step_ms_min']:.2f}, {r['wait']} wait)  "
-                  f"{r['tokens_per_s']:9.1f} tok/s  roofline {roof_ms:6.2f} ms ({r['roofline_fraction']:.0%})"
-                  + (f"; {r['other_wait']} wait {r['other_wait_step_ms_median']:.2f} ms" if "other_wait" in r else ""), flush=True)
+            print(f"B={batch:4d} T={context:5d}  {r['step_ms_median']:8.2f} ms/step (min {r['step_ms_min']:.2f})  "
+                  f"{r['tokens_per_s']:9.1f} tok/s  roofline {roof_ms:6.2f} ms ({r['roofline_fraction']:.0%})", flush=True)
     return result
 
 

@@ -87,8 +87,6 @@ class EngineConfig:
       compilation_cache_dir: JAX persistent compilation cache for the decode buckets (None: off).
       overlap_decode: dispatch decode step k + 1 before reading step k's tokens (one step in
         flight); False runs each step to its end first. Tokens are the same either way.
-      spin_wait: wait for a decode step's tokens by polling (`RunnerConfig.spin_wait`; None: on
-        a GPU backend only).
     """
 
     max_batch: int = 8
@@ -102,7 +100,6 @@ class EngineConfig:
     kv_dtype: str = "float32"
     compilation_cache_dir: str | None = None
     overlap_decode: bool = True
-    spin_wait: bool | None = None
 
     def __post_init__(self):
         if self.prefill_token_budget > max(self.prefill_buckets):
@@ -183,8 +180,7 @@ class Engine:
         top = ec.max_capture_bs or ec.max_batch
         self.runner = DecodeRunner(forward, state, pool, self.router, model.layer_leaves, [backend],
                                    RunnerConfig(max_decode_bs=ec.max_batch, max_capture_bs=min(top, ec.max_batch),
-                                                capture_ladder=ec.capture_ladder, compilation_cache_dir=ec.compilation_cache_dir,
-                                                spin_wait=ec.spin_wait),
+                                                capture_ladder=ec.capture_ladder, compilation_cache_dir=ec.compilation_cache_dir),
                                    vocab_size=c.vocab_size, max_requests=ec.max_batch)
         self.layer_leaves = tuple(model.layer_leaves)
         self.allocator = PageAllocator(num_pages)

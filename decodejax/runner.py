@@ -160,8 +160,6 @@ class RunnerConfig:
       capture_ladder: buckets; default `default_capture_ladder(max_capture_bs)`.
       enforce_eager: run the step function un-jitted at the exact batch size.
       compilation_cache_dir: JAX persistent compilation cache directory (None: off).
-      spin_wait: wait for a step's tokens by polling (`fetch`) instead of asleep; None: on a
-        GPU backend only (on a CPU backend the polling thread would take a core from the step).
     """
 
     max_decode_bs: int = 64
@@ -170,7 +168,6 @@ class RunnerConfig:
     capture_ladder: tuple[int, ...] | None = None
     enforce_eager: bool = False
     compilation_cache_dir: str | None = None
-    spin_wait: bool | None = None
 
     def __post_init__(self):
         if self.max_decode_bs < self.max_capture_bs:
@@ -228,7 +225,6 @@ class DecodeRunner:
         self.param_leaves, self.param_tree = jax.tree.flatten(params)  # the steps take the leaves
         self.router, self.layer_leaves, self.backends, self.config = router, tuple(layer_leaves), list(backends), config
         self.vocab_size = vocab_size
-        self.spin_wait = config.spin_wait if config.spin_wait is not None else jax.default_backend() == "gpu"  # `fetch`'s wait
         reasons = [r for node in self.backends for r in node.validate_pool(pool)]
         if reasons:
             raise RebindError(f"the initial pool is rejected: {reasons}")
@@ -338,16 +334,9 @@ class DecodeRunner:
         sampled.copy_to_host_async()
         return PendingStep(actual, sampled)
 
-    def fetch(self, pending: "PendingStep") -> np.ndarray:
-        """The step's i32[actual_bs, N + 1] (tokens, then accept_len); waits for the step.
-
-        With spin_wait the thread polls until the step is done rather than sleeping in the copy:
-        on the H200 machine the first dispatch after a sleeping wait cost the host about five
-        times a warm one (benchmarks/README.md, the timeline and sync probes), and the engine
-        dispatches its next step right after this wait."""
-        if self.spin_wait:
-            while not pending.sampled.is_ready():
-                pass
+    @staticmethod
+    def fetch(pending: "PendingStep") -> np.ndarray:
+        """The step's i32[actual_bs, N + 1] (tokens, then accept_len); waits for the step."""
         return np.asarray(pending.sampled)[: pending.actual_bs]
 
     def step(self, rows: list[DecodeRow]) -> np.ndarray:

@@ -218,17 +218,6 @@ def test_a_row_reading_its_token_on_the_device_matches_the_host_upload(rng):
     np.testing.assert_array_equal(tokens[0], tokens[1])
 
 
-def test_a_spinning_wait_reads_the_same_tokens_and_only_gpus_spin_by_default(rng):
-    """RunnerConfig.spin_wait changes how fetch waits, never what it reads; None spins on a GPU
-    backend only (the CPU suite runs on the CPU backend, so the default here is asleep)."""
-    rows = random_rows(rng, 3)
-    assert make_runner().spin_wait is False
-    cfg = dict(max_decode_bs=12, max_capture_bs=8, capture_ladder=(1, 2, 4, 8))
-    spinning, sleeping = make_runner(RunnerConfig(**cfg, spin_wait=True)), make_runner(RunnerConfig(**cfg, spin_wait=False))
-    assert spinning.spin_wait and not sleeping.spin_wait
-    np.testing.assert_array_equal(spinning.fetch(spinning.submit(rows)), sleeping.fetch(sleeping.submit(rows)))
-
-
 def _live_fields(buffers, n, N=1):
     return {
         "slots": np.asarray(buffers.slots[:n]), "window": np.asarray(buffers.window_ids[:n]),
