@@ -21,7 +21,8 @@ rows gathered (a tied head reads the table as the head). K/V bytes read = batch 
 layers x H_kv x D x 2 x itemsize.
 
 Each shape also replays its compiled step back to back (`replay_ms`): the device-bound step
-time, whose gap to ms per step is the engine's host work between steps.
+time, whose gap to ms per step is the engine's host work between steps. Each step's time in
+the runner's submit (pack and dispatch) and fetch (the wait for its tokens) is kept beside it.
 
 `--profile-steps N` traces N more steps per shape with jax.profiler and records the GPU time
 per step by kernel name (benchmarks.profile_summary): what the step's time goes to.
@@ -99,18 +100,43 @@ def seat_prefilled(engine, batch: int, context: int, max_new_tokens: int, rng) -
     return seated
 
 
+def timed_steps(engine, batch: int, steps: int) -> dict:
+    """ms of each of `steps` engine steps, and of the parts of each spent in the runner's submit
+    (pack and dispatch) and fetch (waiting for the tokens); the rest is the engine's own work."""
+    runner, parts = engine.runner, {"submit": [0.0], "fetch": [0.0]}
+
+    def timed(name, method):
+        def call(*args):
+            t = time.perf_counter()
+            try:
+                return method(*args)
+            finally:
+                parts[name][-1] += (time.perf_counter() - t) * 1e3
+        return call
+
+    runner.submit, runner.fetch = timed("submit", runner.submit), timed("fetch", runner.fetch)  # instance attributes shadow the methods
+    try:
+        times = []
+        for _ in range(steps):
+            t = time.perf_counter()
+            produced = engine.step()
+            times.append((time.perf_counter() - t) * 1e3)
+            if len(produced) != batch:
+                raise RuntimeError(f"a step produced {len(produced)} tokens for a batch of {batch}")
+            for samples in parts.values():
+                samples.append(0.0)
+    finally:
+        del runner.submit, runner.fetch
+    return {"step": times, "submit": parts["submit"][:-1], "fetch": parts["fetch"][:-1]}
+
+
 def measure(engine, batch: int, context: int, steps: int, warmup: int, rng, profile_steps: int = 0) -> dict:
     free_before = engine.allocator.num_free
     seated = seat_prefilled(engine, batch, context, warmup + steps + profile_steps + 4, rng)  # running after the last step and both drains
     for _ in range(warmup):
         engine.step()
-    times = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        produced = engine.step()
-        times.append((time.perf_counter() - t) * 1e3)
-        if len(produced) != batch:
-            raise RuntimeError(f"a step produced {len(produced)} tokens for a batch of {batch}")
+    timed = timed_steps(engine, batch, steps)
+    times = timed["step"]
     replay = replay_step_ms(engine, seated)
     profile = profile_engine_steps(engine, profile_steps) if profile_steps else None
     for req in seated:
@@ -120,6 +146,8 @@ def measure(engine, batch: int, context: int, steps: int, warmup: int, rng, prof
     median = float(np.median(times))
     row = {"batch": batch, "context": context, "step_ms_samples": times, "step_ms_median": median,
            "step_ms_min": float(np.min(times)), "tokens_per_s": batch / (median / 1e3),
+           "submit_ms_median": float(np.median(timed["submit"])), "fetch_ms_median": float(np.median(timed["fetch"])),
+           "submit_ms_samples": timed["submit"], "fetch_ms_samples": timed["fetch"],
            "replay_ms_samples": replay, "replay_ms_median": float(np.median(replay))}
     if profile is not None:
         row["profile"] = profile
@@ -156,13 +184,14 @@ def replay_step_ms(engine, seated, samples: int = 10, reps: int = 10) -> list[fl
 
 
 def profile_engine_steps(engine, steps: int) -> dict:
-    """GPU time per decode step by kernel (benchmarks.profile_summary) over `steps` traced engine steps.
+    """GPU time per decode step by kernel (benchmarks.profile_summary) over `steps` traced engine
+    steps, and the GPU's idle time and gaps between launches (`timeline`).
 
     The engine is drained before and inside the trace, so the window holds exactly the steps
     dispatched in it: with overlap_decode, `steps` engine steps dispatch steps + 1 (the first
     also dispatches the step it reads), and the figures are per dispatched step.
     """
-    from benchmarks.profile_summary import traced_device_activity
+    from benchmarks.profile_summary import stream_timeline, summarize_planes, traced
 
     def run():
         for _ in range(steps):
@@ -170,7 +199,11 @@ def profile_engine_steps(engine, steps: int) -> dict:
         engine.drain()
 
     engine.drain()
-    return traced_device_activity(run, steps + 1 if engine.config.overlap_decode else steps)
+    dispatched = steps + 1 if engine.config.overlap_decode else steps
+    planes, wall_ms = traced(run)
+    timeline = stream_timeline(planes, dispatched)
+    return summarize_planes(planes, dispatched) | {"wall_ms_per_step_traced": wall_ms / dispatched,
+                                                   "timeline": {k: timeline[k] for k in ("span_us_per_step", "busy_us_per_step", "idle_us_per_step", "gaps_us")}}
 
 
 def attach_peer_ratios(rows: list[dict], peer_rows: list[dict]) -> None:
@@ -300,8 +333,11 @@ def measure_all(args, batches: list[int], contexts: list[int]) -> dict:
             r.update(weight_bytes_read=wbytes, kv_bytes_read=kvbytes, roofline_ms=roof_ms, roofline_fraction=roof_ms / r["step_ms_median"])
             rows.append(r)
             write_json(result, args.out)  # after every shape: a cut-off run keeps what it measured
-            print(f"B={batch:4d} T={context:5d}  {r['step_ms_median']:8.2f} ms/step (min {r['step_ms_min']:.2f})  "
-                  f"{r['tokens_per_s']:9.1f} tok/s  roofline {roof_ms:6.2f} ms ({r['roofline_fraction']:.0%})", flush=True)
+            print(f"B={batch:4d} T={context:5d}  {r['step_ms_median']:8.2f} ms/step (min {r['step_ms_min']:.2f}; submit "
+                  f"{r['submit_ms_median']:.2f}, fetch {r['fetch_ms_median']:.2f}; replay {r['replay_ms_median']:.2f})  "
+                  f"{r['tokens_per_s']:9.1f} tok/s  roofline {roof_ms:6.2f} ms ({r['roofline_fraction']:.0%})"
+                  + (f"  GPU idle {r['profile']['timeline']['idle_us_per_step'] / 1e3:.2f} ms/step, gaps {r['profile']['timeline']['gaps_us']}"
+                     if "profile" in r else ""), flush=True)
     return result
 
 
