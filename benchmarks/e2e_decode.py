@@ -203,7 +203,8 @@ def profile_engine_steps(engine, steps: int) -> dict:
     planes, wall_ms = traced(run)
     timeline = stream_timeline(planes, dispatched)
     return summarize_planes(planes, dispatched) | {"wall_ms_per_step_traced": wall_ms / dispatched,
-                                                   "timeline": {k: timeline[k] for k in ("span_us_per_step", "busy_us_per_step", "idle_us_per_step", "gaps_us")}}
+                                                   "timeline": {k: timeline[k] for k in ("span_us_per_step", "busy_us_per_step", "idle_us_per_step", "gaps_us",
+                                                                                     "host_us_per_step")}}
 
 
 def attach_peer_ratios(rows: list[dict], peer_rows: list[dict]) -> None:
