@@ -100,40 +100,30 @@ class SamplingPool:
         )
 
 
-def _needs_order_statistic(top_k: jax.Array, top_p: jax.Array) -> jax.Array:
-    """bool[R]: the row's filter needs the sorted logits (a k-th value with k > 1, or a nucleus)."""
-    return (top_k > 1) | (top_p < 1)
-
-
 def _filter_logits(logits, temperature, top_k, top_p, min_p):
     """logits [R, V] -> filtered logits (dropped tokens at -inf); parameters [R].
 
-    Sorting R x V logits is the costliest part of a decode step's sampling at large R (about a
-    millisecond for 128 rows of a 128k vocabulary on the H200), and greedy, plain temperature
-    and min-p rows need no order statistic: top-k = 1 keeps the maximum, top-p = 1 keeps
-    everything. So the sort runs only when some row asks for more; both branches compute every
-    kept set from the same expressions and agree bit for bit on the rows that need no sort.
+    Every batch sorts its logits, even when no row needs an order statistic (greedy, plain
+    temperature and min-p rows: top-k = 1 keeps the maximum, top-p = 1 keeps everything). The
+    sort costs up to about a millisecond per step (128 rows of a 128k vocabulary on the H200),
+    but skipping it needs a branch on device data, and XLA decides a conditional on the host:
+    the step's dispatch then waited for the forward to finish, and the GPU idled 2 to 5 ms per
+    engine step while the host launched the rest (benchmarks/README.md, end to end).
     """
     logits = logits.astype(jnp.float32) / temperature[:, None]
     probs = jax.nn.softmax(logits, axis=-1)
-    row_max = jnp.max(logits, axis=-1, keepdims=True)
     keep = probs >= min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True)
-    keep &= (top_k[:, None] != 1) | (logits >= row_max)
-
-    def with_sort(keep):
-        V = logits.shape[-1]
-        sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]  # descending
-        k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)
-        keep &= logits >= jnp.take_along_axis(sorted_logits, (k - 1)[:, None], axis=-1)
-        # Nucleus: keep the smallest prefix of the sorted tokens whose mass reaches top_p. A row
-        # with top_p = 1 keeps everything (its rounded cumulative sum may reach 1 early).
-        sorted_probs = jax.nn.softmax(sorted_logits, axis=-1)
-        mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
-        cutoff_index = jnp.sum(mass_before < top_p[:, None], axis=-1) - 1
-        cutoff = jnp.take_along_axis(sorted_logits, cutoff_index[:, None], axis=-1)
-        return keep & ((top_p[:, None] >= 1) | (logits >= cutoff))
-
-    keep = jax.lax.cond(jnp.any(_needs_order_statistic(top_k, top_p)), with_sort, lambda keep: keep, keep)
+    V = logits.shape[-1]
+    sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]  # descending
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)
+    keep &= logits >= jnp.take_along_axis(sorted_logits, (k - 1)[:, None], axis=-1)
+    # Nucleus: keep the smallest prefix of the sorted tokens whose mass reaches top_p. A row
+    # with top_p = 1 keeps everything (its rounded cumulative sum may reach 1 early).
+    sorted_probs = jax.nn.softmax(sorted_logits, axis=-1)
+    mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
+    cutoff_index = jnp.sum(mass_before < top_p[:, None], axis=-1) - 1
+    cutoff = jnp.take_along_axis(sorted_logits, cutoff_index[:, None], axis=-1)
+    keep &= (top_p[:, None] >= 1) | (logits >= cutoff)
     return jnp.where(keep, logits, -jnp.inf)
 
 
