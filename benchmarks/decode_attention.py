@@ -24,6 +24,7 @@ against the H200's 4.8 TB/s datasheet figure.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import functools
 import json
@@ -40,6 +41,7 @@ DATASHEET_TBPS = 4.8
 SPLIT_SWEEP = (1, 2, 4, 8, 16, 32, 64)
 BUILTIN_K_SPLITS = (1, 2, 4, 8, 16)
 OURS = "decodejax/nhd/auto"  # the Triton kernel's default path: the figure every ratio is of
+MERGE_LAUNCH = "decodejax/nhd/auto/merge_launch"  # the same with DecodeConfig.fused_merge off
 MOSAIC_AUTO = "decodejax/mgpu-nhd/auto"  # the Mosaic GPU kernel's default path, beside the Triton kernel's
 # (block_k, num_stages, compute_warpgroups) of the Mosaic GPU kernel; one that does not fit a
 # case's shared memory is recorded as an error
@@ -61,9 +63,10 @@ def time_in_program(fn, *args) -> list[float]:
     return evidence.timed_samples_in_program(fn, args, samples=SAMPLES, calls=REPS, warmup=WARMUP)
 
 
-def time_gpu_span(fn, *args) -> list[float]:
+def time_gpu_span(fn, *args) -> tuple[list[float], list[float]]:
     """GPU microseconds per call of REPS back-to-back calls, one profiler trace per sample (Python's
-    tracer off): the span from the first kernel's start to the last one's end, over REPS."""
+    tracer off): the span from the first kernel's start to the last one's end, over REPS, and
+    the kernels' own time (busy: the span less the GPU's idle gaps)."""
     import jax
 
     from benchmarks.profile_summary import stream_timeline, traced
@@ -73,7 +76,8 @@ def time_gpu_span(fn, *args) -> list[float]:
             result = fn(*args)
         jax.block_until_ready(result)
 
-    return [stream_timeline(traced(run, python_tracer=False)[0], REPS)["span_us_per_step"] for _ in range(TRACED_SAMPLES)]
+    timelines = [stream_timeline(traced(run, python_tracer=False)[0], REPS) for _ in range(TRACED_SAMPLES)]
+    return [t["span_us_per_step"] for t in timelines], [t["busy_us_per_step"] for t in timelines]
 
 
 def summarize(samples, nbytes):
@@ -89,6 +93,7 @@ def run_case(case, results, sweep: bool, tune: bool = False, ours_only: bool = F
 
     import decodejax
     from decodejax import KVLayout, reference
+    from pallas_kernels.decode_attention import default_config
 
     data = bench_cases.make_case(case)
     nbytes = bench_cases.kv_bytes(case)
@@ -110,7 +115,8 @@ def run_case(case, results, sweep: bool, tune: bool = False, ours_only: bool = F
             err = float(np.max(np.abs(np.asarray(out, np.float32) - ref_o)))
             stats = summarize(time_jax(fn, *args), nbytes)
             if gpu_span:
-                stats["gpu_span"] = summarize(time_gpu_span(fn, *args), nbytes)
+                span, busy = time_gpu_span(fn, *args)
+                stats["gpu_span"], stats["gpu_busy"] = summarize(span, nbytes), summarize(busy, nbytes)
             if in_program:
                 samples = time_in_program(fn, *args)
                 stats |= {"in_program_samples_us": samples, "in_program_median_us": float(np.median(samples))}
@@ -124,6 +130,9 @@ def run_case(case, results, sweep: bool, tune: bool = False, ours_only: bool = F
     ours = lambda backend="pallas_triton", **kw: jax.jit(functools.partial(decodejax.decode_attention, backend=backend, **kw))
     record(OURS, ours(), q, k, v, table, lens, gpu_span=True)
     record(MOSAIC_AUTO, ours("pallas_mosaic_gpu"), q, k, v, table, lens, gpu_span=True)
+    # The split slots merged by a second launch (merge_states) instead of in the kernel's own.
+    record(MERGE_LAUNCH, ours(config=dataclasses.replace(default_config(case.head_dim), fused_merge=False)), q, k, v, table, lens,
+           gpu_span=True)
     if tune_mosaic:
         from pallas_kernels.decode_attention_mgpu import MosaicDecodeConfig
 
@@ -202,6 +211,7 @@ def main(argv=None):
         "method": {"samples": SAMPLES, "reps_per_sample": REPS, "warmup": WARMUP, "unit": "microseconds per call", "datasheet_tbps": DATASHEET_TBPS,
                    "samples_us": f"{REPS} back-to-back jitted calls per sample, then a sync",
                    "gpu_span": f"{TRACED_SAMPLES} profiler traces of {REPS} back-to-back calls: first kernel start to last kernel end, / {REPS}",
+                   "gpu_busy": "the same traces: the kernels' time (the span less the GPU's idle gaps), / REPS",
                    **({"in_program_samples_us": f"one jitted program of {REPS} calls per sample, then a sync"} if args.in_program else {}),
                    "flashinfer": "flashinfer/: CUDA events around REPS back-to-back runs; flashinfer_wall/: perf_counter around "
                                  "REPS runs and a sync, as ours; graph_samples_us: one CUDA graph of REPS runs"},
@@ -379,6 +389,15 @@ def render_table(results) -> str:
                 per_case = ", ".join(f"{c}: {r:.2f}" for c, r in est["ratios"].items())
                 lines.append(f"| {timing} | {name} | {est['arithmetic_mean_of_ratios']:.2f} | {est['ratio_of_sums']:.2f} | "
                              f"{est['geometric_mean']:.2f} | {est['max']:.2f} | {per_case} |")
+    both = [(name, e["variants"]) for name, e in results["cases"].items() if "median_us" in e["variants"].get(MERGE_LAUNCH, {})]
+    if both:
+        busy = lambda v: f"{v['gpu_busy']['median_us']:.1f}" if "gpu_busy" in v else "n/a"
+        lines += ["", "The split slots merged in the kernel's launch (default) or by a second launch (`merge_states`), median us "
+                  "(host clock; kernels' GPU time from the traces). One-slot plans run the same single launch either way:", "",
+                  "| case | merged in the launch | GPU | merge launch | GPU |", "|---|---|---|---|---|"]
+        for name, var in both:
+            fused, launched = var[OURS], var[MERGE_LAUNCH]
+            lines.append(f"| {name} | {fused['median_us']:.1f} | {busy(fused)} | {launched['median_us']:.1f} | {busy(launched)} |")
     mosaic = [(name, e["variants"]) for name, e in results["cases"].items() if "median_us" in e["variants"].get(MOSAIC_AUTO, {})]
     if mosaic:
         lines += ["", "The Mosaic GPU kernel against the Triton kernel, both default paths of this run, median / min us:", "",

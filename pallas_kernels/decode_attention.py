@@ -13,9 +13,13 @@ any page size works:
 Loads of tokens outside [start, end) or invisible to the query (length, window, sinks) are
 masked, so they touch no memory: page tails, unused pages and the null page are never read.
 The program writes its split's normalized partial state (o, lse) in float32; an EMPTY split
-writes (0, -inf); `merge_states` reduces the slots. With a plan of one slot the program
-writes the output itself (`paged_decode`). Its pure-jnp twin is
-`decodejax.reference.paged_decode`.
+writes (0, -inf). With a plan of one slot the program writes the output itself. With more,
+the slots are merged in the same launch (`DecodeConfig.fused_merge`): each program counts
+itself done on an i32[B, H_kv] counter (an atomic add, acquire-release at GPU scope, after a
+block barrier, so every thread's partial-state stores come before it), and the program that
+counts last folds the S states of its G rows in slot order (`merge_states.fold_slots`), so the
+result is the same whichever program that is. Without fused_merge, `merge_states` reduces the
+slots in a second launch. Its pure-jnp twin is `decodejax.reference.paged_decode`.
 """
 
 from __future__ import annotations
@@ -31,10 +35,11 @@ from jax.experimental.pallas import triton as plgpu
 from decodejax.addressing import KVLayout, pool_geometry
 from decodejax.masks import DecodeMask, visible
 from decodejax.planning import SplitPlan
-from pallas_kernels.merge_states import merge_states
+from pallas_kernels.merge_states import fold_slots, merge_states
 from pallas_kernels.paged_blocks import finish, initial_carry, load_kv_block, online_softmax_step
 
 MIN_DOT_ROWS = 16  # Triton dots need >= 16 rows: the G query rows are padded to this.
+MERGE_SLOTS_PER_STEP = 16  # slots a fused merge folds per step (as MergeConfig.block_s)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,11 +50,14 @@ class DecodeConfig:
       block_k: tokens per inner step (a power of two).
       num_warps: Triton warps per program.
       num_stages: software-pipelining depth of the K/V loads.
+      fused_merge: with more than one split slot, merge them in the kernel's launch (the last
+        program of a (request, K/V head) to finish merges) rather than in a second launch.
     """
 
     block_k: int = 128
     num_warps: int = 4
     num_stages: int = 3
+    fused_merge: bool = True
 
 
 def default_config(head_dim: int) -> DecodeConfig:
@@ -58,7 +66,7 @@ def default_config(head_dim: int) -> DecodeConfig:
     On the H200 (D = 128) block_k = 128 with 4 warps was the fastest or within 3% of it in
     the config sweep at B = 1, 32 and 128 (benchmarks/results/decode_attention_sweep.json).
     """
-    return DecodeConfig(block_k=max(16, min(128, 16384 // head_dim)), num_warps=4, num_stages=3)
+    return DecodeConfig(block_k=max(16, min(128, 16384 // head_dim)), num_warps=4, num_stages=3, fused_merge=True)
 
 
 def _decode_kernel(
@@ -67,8 +75,10 @@ def _decode_kernel(
     v_ref,  # [num_pages * P * H_kv, D]
     table_ref,  # i32[B_c, W]
     seq_lens_ref,  # i32[B]
-    *refs,  # (cache_idx_ref i32[B] when remapped,) o_ref, lse_ref: f32[B, H_q, S, D], f32[B, H_q, S]
-    #         (partials) or [B, H_q, D] in q.dtype, f32[B, H_q] (`final`: a plan of one slot)
+    *refs,  # (cache_idx_ref i32[B] when remapped,) (the counter's input when merged,) then by `writes`:
+    #         "output" (a plan of one slot) o [B, H_q, D] in q.dtype, lse f32[B, H_q];
+    #         "partials" o f32[B, H_q, S, D], lse f32[B, H_q, S];
+    #         "merged" o, lse as "output", the partials as "partials", counter i32[B, H_kv] (zeros in)
     group: int,
     num_kv_heads: int,
     page_size: int,
@@ -79,9 +89,14 @@ def _decode_kernel(
     mask: DecodeMask,
     plan: SplitPlan,
     remapped: bool,
-    final: bool,
+    writes: str,
+    interpret: bool,
 ):
-    cache_idx_ref, o_ref, lse_ref = refs if remapped else (None, *refs)
+    cache_idx_ref, refs = (refs[0], refs[1:]) if remapped else (None, refs)
+    if writes == "merged":
+        _, o_ref, lse_ref, o_part_ref, lse_part_ref, counter_ref = refs  # the counter's input aliases its output
+    else:
+        o_ref, lse_ref = refs
     b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     d = q_ref.shape[-1]
     seq_len = seq_lens_ref[b]
@@ -119,17 +134,42 @@ def _decode_kernel(
     # a row of this store: interpret mode's masked store writes back what it read there and
     # drops what is out of range (a clamped index would alias a live row), the GPU writes nothing.
     rows = h * group + g
-    if final:
+    if writes == "output":
         plgpu.store(o_ref.at[b, rows[:, None], lanes], o.astype(o_ref.dtype), mask=g_live[:, None])
         plgpu.store(lse_ref.at[b, rows], lse, mask=g_live)
-    else:
-        plgpu.store(o_ref.at[b, rows[:, None], s, lanes], o, mask=g_live[:, None])
-        plgpu.store(lse_ref.at[b, rows, s], lse, mask=g_live)
+        return
+    o_slots, lse_slots = (o_ref, lse_ref) if writes == "partials" else (o_part_ref, lse_part_ref)
+    plgpu.store(o_slots.at[b, rows[:, None], s, lanes], o, mask=g_live[:, None])
+    plgpu.store(lse_slots.at[b, rows, s], lse, mask=g_live)
+    if writes == "merged":
+        _merge_if_last(o_part_ref, lse_part_ref, counter_ref, o_ref, lse_ref, b, h, group=group, num_slots=plan.capacity,
+                       interpret=interpret)
+
+
+def _merge_if_last(o_part_ref, lse_part_ref, counter_ref, o_ref, lse_ref, b, h, *, group: int, num_slots: int, interpret: bool):
+    """The last of (b, h)'s num_slots programs to get here writes the merge of their states."""
+    if not interpret:  # interpret mode runs programs one after another, each as one thread
+        plgpu.debug_barrier()  # every thread's partial-state stores come before the count
+    done_before = plgpu.atomic_add(counter_ref, (b, h), jnp.int32(1))  # acquire-release, GPU scope
+
+    @pl.when(done_before == num_slots - 1)
+    def _merge():
+        d = o_ref.shape[-1]
+        lanes = jnp.arange(d)
+        for g in range(group):
+            row = h * group + g
+            o, lse = fold_slots(
+                lambda slots, live: plgpu.load(lse_part_ref.at[b, row, slots], mask=live, other=-jnp.inf),
+                lambda slots, filled: plgpu.load(o_part_ref.at[b, row, slots[:, None], lanes[None, :]], mask=filled[:, None], other=0.0),
+                num_slots=num_slots, block_s=MERGE_SLOTS_PER_STEP, head_dim=d)
+            plgpu.store(o_ref.at[b, row, lanes], o.astype(o_ref.dtype))
+            plgpu.store(lse_ref.at[b, row], lse)
 
 
 def _launch(q, k_pages, v_pages, page_table, seq_lens, cache_batch_idx, *, layout, sm_scale, soft_cap, mask, config, plan,
-            interpret, final):
-    """One pallas_call of the kernel over the grid (B, H_kv, S); `final` only with one slot."""
+            interpret, writes):
+    """One pallas_call of the kernel over the grid (B, H_kv, S); what it writes is `writes`
+    ("output" only with one slot)."""
     B, H_q, D = q.shape
     num_pages, P, H_kv, _ = pool_geometry(k_pages, layout)
     if D & (D - 1) or config.block_k & (config.block_k - 1):
@@ -150,22 +190,31 @@ def _launch(q, k_pages, v_pages, page_table, seq_lens, cache_batch_idx, *, layou
         mask=mask,
         plan=plan,
         remapped=cache_batch_idx is not None,
-        final=final,
+        writes=writes,
+        interpret=interpret,
     )
-    if final:
-        out_shape = (jax.ShapeDtypeStruct((B, H_q, D), q.dtype), jax.ShapeDtypeStruct((B, H_q), jnp.float32))
-    else:
-        out_shape = (jax.ShapeDtypeStruct((B, H_q, S, D), jnp.float32), jax.ShapeDtypeStruct((B, H_q, S), jnp.float32))
+    output = (jax.ShapeDtypeStruct((B, H_q, D), q.dtype), jax.ShapeDtypeStruct((B, H_q), jnp.float32))
+    partials = (jax.ShapeDtypeStruct((B, H_q, S, D), jnp.float32), jax.ShapeDtypeStruct((B, H_q, S), jnp.float32))
     rows = num_pages * P * H_kv
-    remap = () if cache_batch_idx is None else (cache_batch_idx,)
-    return pl.pallas_call(
+    inputs = [q, k_pages.reshape(rows, D), v_pages.reshape(rows, D), page_table, seq_lens]
+    inputs += [] if cache_batch_idx is None else [cache_batch_idx]
+    aliases = {}
+    if writes == "merged":  # the counter starts at zero in every call; its output is the input's buffer
+        aliases = {len(inputs): 4}
+        inputs.append(jnp.zeros((B, H_kv), jnp.int32))
+        out_shape = (*output, *partials, jax.ShapeDtypeStruct((B, H_kv), jnp.int32))
+    else:
+        out_shape = output if writes == "output" else partials
+    results = pl.pallas_call(
         kernel,
         grid=(B, H_kv, S),
         out_shape=out_shape,
+        input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name="decodejax_paged_decode",
-    )(q, k_pages.reshape(rows, D), v_pages.reshape(rows, D), page_table, seq_lens, *remap)
+    )(*inputs)
+    return results[:2]
 
 
 @functools.partial(jax.jit, static_argnames=("layout", "sm_scale", "soft_cap", "mask", "config", "plan", "partial_states",
@@ -191,14 +240,19 @@ def paged_decode(
     state of every split slot of `plan` instead: (o f32[B, H_q, S, D], lse f32[B, H_q, S]).
 
     Slot s of request b covers `plan.slot_bounds`, which the kernel computes itself. Every XLA
-    op around a kernel is another launch and more host work per call, so there are none: a plan
-    of one slot is one launch (the kernel writes o), more slots are two (the partial states,
-    then `merge_states`). Shapes and dtypes are checked by the public op
-    `decodejax.decode_attention`; this wrapper only checks what the kernel itself assumes.
+    op around a kernel is another launch and more host work per call, so there are none but
+    the merge counter's zeros: one launch writes o, merging the slots itself when there are
+    several (config.fused_merge; without it, `merge_states` merges them in a second launch).
+    Shapes and dtypes are checked by the public op `decodejax.decode_attention`; this wrapper
+    only checks what the kernel itself assumes.
     """
     args = (q, k_pages, v_pages, page_table, seq_lens, cache_batch_idx)
     options = dict(layout=layout, sm_scale=sm_scale, soft_cap=soft_cap, mask=mask, config=config, plan=plan, interpret=interpret)
-    if partial_states or plan.capacity > 1:
-        o, lse = _launch(*args, final=False, **options)
-        return (o, lse) if partial_states else merge_states(o, lse, out_dtype=q.dtype, interpret=interpret)
-    return _launch(*args, final=True, **options)
+    if partial_states:
+        return _launch(*args, writes="partials", **options)
+    if plan.capacity == 1:
+        return _launch(*args, writes="output", **options)
+    if config.fused_merge:
+        return _launch(*args, writes="merged", **options)
+    o, lse = _launch(*args, writes="partials", **options)
+    return merge_states(o, lse, out_dtype=q.dtype, interpret=interpret)

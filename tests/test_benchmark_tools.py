@@ -58,8 +58,12 @@ def test_hopper_compile_reads_each_kernels_triton_ir_from_the_cuda_lowering():
 
     cases = dict(lowered_cases())
     decode = triton_kernels(cases["decode_attention B=8 T=4096 H_q=32 H_kv=8 D=128 P=16 bf16"])
-    assert [(k["name"], k["num_warps"], k["num_stages"]) for k in decode] == [("decodejax_paged_decode", 4, 3), ("decodejax_merge_states", 4, 1)]
-    assert "tt.func public @decodejax_paged_decode" in decode[0]["ttir"] and "tt.dot" in decode[0]["ttir"] and "loc(" not in decode[0]["ttir"]
+    assert [(k["name"], k["num_warps"], k["num_stages"]) for k in decode] == [("decodejax_paged_decode", 4, 3)]  # merged in-launch
+    ttir = decode[0]["ttir"]
+    assert "tt.func public @decodejax_paged_decode" in ttir and "tt.dot" in ttir and "loc(" not in ttir
+    assert "tt.atomic_rmw" in ttir and "gpu.barrier" in ttir  # the merge counter, after a block barrier
+    merge = triton_kernels(next(v for k, v in cases.items() if k.startswith("merge_states")))
+    assert [(k["name"], k["num_warps"], k["num_stages"]) for k in merge] == [("decodejax_merge_states", 4, 1)]
     append = triton_kernels(next(v for k, v in cases.items() if k.startswith("append_attention")))
     assert [k["name"] for k in append] == ["decodejax_paged_append"]
 

@@ -11,7 +11,7 @@ import pytest
 import decodejax
 from decodejax import KVLayout
 from paged_problems import Spec, make_problem
-from test_decode_attention import DTYPES, LSE_ATOL, TOLERANCES, DecodeAttentionCases, MosaicDecodeAttentionCases, oracle, to_device
+from test_decode_attention import DTYPES, LSE_ATOL, TOLERANCES, MosaicDecodeAttentionCases, TritonDecodeAttentionCases, oracle, to_device
 
 pytestmark = [
     pytest.mark.gpu,
@@ -19,7 +19,7 @@ pytestmark = [
 ]
 
 
-class TestDecodeAttentionGPU(DecodeAttentionCases):
+class TestDecodeAttentionGPU(TritonDecodeAttentionCases):
     backend = "pallas_triton"
 
 
