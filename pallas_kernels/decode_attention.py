@@ -17,8 +17,8 @@ writes (0, -inf). With a plan of one slot the program writes the output itself. 
 the slots are merged in the same launch (`DecodeConfig.fused_merge`): each program counts
 itself done on an i32[B, H_kv] counter (an atomic add, acquire-release at GPU scope, after a
 block barrier, so every thread's partial-state stores come before it), and the program that
-counts last folds the S states of its G rows in slot order (`merge_states.fold_slots`), so the
-result is the same whichever program that is. Without fused_merge, `merge_states` reduces the
+counts last folds the S states of its G rows in slot order, one slot of every row per step, so
+the result is the same whichever program that is. Without fused_merge, `merge_states` reduces the
 slots in a second launch. Its pure-jnp twin is `decodejax.reference.paged_decode`.
 """
 
@@ -35,11 +35,11 @@ from jax.experimental.pallas import triton as plgpu
 from decodejax.addressing import KVLayout, pool_geometry
 from decodejax.masks import DecodeMask, visible
 from decodejax.planning import SplitPlan
-from pallas_kernels.merge_states import fold_slots, merge_states
+from decodejax.split_state import LOG2_E
+from pallas_kernels.merge_states import merge_states
 from pallas_kernels.paged_blocks import finish, initial_carry, load_kv_block, online_softmax_step
 
 MIN_DOT_ROWS = 16  # Triton dots need >= 16 rows: the G query rows are padded to this.
-MERGE_SLOTS_PER_STEP = 16  # slots a fused merge folds per step (as MergeConfig.block_s)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,15 +155,25 @@ def _merge_if_last(o_part_ref, lse_part_ref, counter_ref, o_ref, lse_ref, b, h, 
     @pl.when(done_before == num_slots - 1)
     def _merge():
         d = o_ref.shape[-1]
-        lanes = jnp.arange(d)
-        for g in range(group):
-            row = h * group + g
-            o, lse = fold_slots(
-                lambda slots, live: plgpu.load(lse_part_ref.at[b, row, slots], mask=live, other=-jnp.inf),
-                lambda slots, filled: plgpu.load(o_part_ref.at[b, row, slots[:, None], lanes[None, :]], mask=filled[:, None], other=0.0),
-                num_slots=num_slots, block_s=MERGE_SLOTS_PER_STEP, head_dim=d)
-            plgpu.store(o_ref.at[b, row, lanes], o.astype(o_ref.dtype))
-            plgpu.store(lse_ref.at[b, row], lse)
+        lanes = jnp.arange(d)[None, :]
+        g = jnp.arange(MIN_DOT_ROWS)
+        g_live = g < group
+        rows = h * group + jnp.minimum(g, group - 1)
+
+        def fold(s, carry):  # slot s of every row, in the base-2 running state of `finish`
+            m, l, acc = carry
+            lse = plgpu.load(lse_part_ref.at[b, rows, s], mask=g_live, other=-jnp.inf) * LOG2_E
+            filled = g_live & (lse > -jnp.inf)  # an EMPTY slot's o is never read
+            o = plgpu.load(o_part_ref.at[b, rows[:, None], s, lanes], mask=filled[:, None], other=0.0)
+            m_new = jnp.maximum(m, lse)
+            m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+            w, scale = jnp.exp2(lse - m_safe), jnp.exp2(m - m_safe)  # w is exactly 0 for EMPTY slots
+            return m_new, l * scale + w, acc * scale[:, None] + w[:, None] * o
+
+        o, lse = finish(*jax.lax.fori_loop(0, num_slots, fold, initial_carry(MIN_DOT_ROWS, d)))
+        out_rows = h * group + g  # masked past the group, as the kernel's own stores
+        plgpu.store(o_ref.at[b, out_rows[:, None], lanes], o.astype(o_ref.dtype), mask=g_live[:, None])
+        plgpu.store(lse_ref.at[b, out_rows], lse, mask=g_live)
 
 
 def _launch(q, k_pages, v_pages, page_table, seq_lens, cache_batch_idx, *, layout, sm_scale, soft_cap, mask, config, plan,

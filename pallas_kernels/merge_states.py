@@ -28,46 +28,34 @@ class MergeConfig:
     num_warps: int = 4
 
 
-def fold_slots(load_lse, load_o, *, num_slots: int, block_s: int, head_dim: int):
-    """Merges one row's S partial states, `block_s` slots per step: (o f32[D], lse f32), both
-    natural-log and EMPTY-aware. load_lse(slots, live) -> f32[block_s] (-inf where not live) and
-    load_o(slots, filled) -> f32[block_s, D] (0 where not filled) read the row's slots; slots
-    past S come clamped to S - 1 with live False. Slots merge in index order, so the result
-    never depends on which program merges them."""
-
-    def body(i, carry):
-        m, l, acc = carry
-        slots = i * block_s + jnp.arange(block_s)
-        live = slots < num_slots
-        slots = jnp.minimum(slots, num_slots - 1)
-        lse = load_lse(slots, live) * LOG2_E
-        # An EMPTY slot's output is never read: it may hold anything, NaN included.
-        o = load_o(slots, lse > -jnp.inf)
-        m_new = jnp.maximum(m, jnp.max(lse))
-        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        w = jnp.exp2(lse - m_safe)  # exactly 0 for EMPTY slots
-        scale = jnp.exp2(m - m_safe)
-        return m_new, l * scale + jnp.sum(w), acc * scale + jnp.sum(w[:, None] * o, axis=0)
-
-    init = (jnp.float32(-jnp.inf), jnp.float32(0.0), jnp.zeros((head_dim,), jnp.float32))
-    m, l, acc = jax.lax.fori_loop(0, pl.cdiv(num_slots, block_s), body, init)
-    valid = l > 0
-    o = jnp.where(valid, acc / jnp.where(valid, l, 1.0), 0.0)
-    return o, jnp.where(valid, (m + jnp.log2(jnp.where(valid, l, 1.0))) / LOG2_E, -jnp.inf)
-
-
 def _merge_kernel(o_ref, lse_ref, out_o_ref, out_lse_ref, *, num_slots: int, block_s: int):
     # o_ref:       [N, S, D] f32   partial outputs
     # lse_ref:     [N, S]    f32   natural-log LSE, -inf for EMPTY
     # out_o_ref:   [N, D]          merged output (row n)
     # out_lse_ref: [N]       f32   merged LSE
     n = pl.program_id(0)
-    lanes = jnp.arange(o_ref.shape[-1])[None, :]
-    o, lse = fold_slots(lambda slots, live: plgpu.load(lse_ref.at[n, slots], mask=live, other=-jnp.inf),
-                        lambda slots, filled: plgpu.load(o_ref.at[n, slots[:, None], lanes], mask=filled[:, None], other=0.0),
-                        num_slots=num_slots, block_s=block_s, head_dim=o_ref.shape[-1])
-    out_o_ref[n, :] = o.astype(out_o_ref.dtype)
-    out_lse_ref[n] = lse
+    d = o_ref.shape[-1]
+
+    def body(i, carry):
+        m, l, acc = carry
+        slots = i * block_s + jnp.arange(block_s)
+        live = slots < num_slots
+        slots = jnp.minimum(slots, num_slots - 1)
+        lse = plgpu.load(lse_ref.at[n, slots], mask=live, other=-jnp.inf) * LOG2_E
+        # An EMPTY slot's output is never read: it may hold anything, NaN included.
+        filled = lse > -jnp.inf
+        o = plgpu.load(o_ref.at[n, slots[:, None], jnp.arange(d)[None, :]], mask=filled[:, None], other=0.0)
+        m_new = jnp.maximum(m, jnp.max(lse))
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        w = jnp.exp2(lse - m_safe)  # exactly 0 for EMPTY slots
+        scale = jnp.exp2(m - m_safe)
+        return m_new, l * scale + jnp.sum(w), acc * scale + jnp.sum(w[:, None] * o, axis=0)
+
+    init = (jnp.float32(-jnp.inf), jnp.float32(0.0), jnp.zeros((d,), jnp.float32))
+    m, l, acc = jax.lax.fori_loop(0, pl.cdiv(num_slots, block_s), body, init)
+    valid = l > 0
+    out_o_ref[n, :] = jnp.where(valid, acc / jnp.where(valid, l, 1.0), 0.0).astype(out_o_ref.dtype)
+    out_lse_ref[n] = jnp.where(valid, (m + jnp.log2(jnp.where(valid, l, 1.0))) / LOG2_E, -jnp.inf)
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret"))
