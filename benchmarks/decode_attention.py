@@ -41,7 +41,7 @@ DATASHEET_TBPS = 4.8
 SPLIT_SWEEP = (1, 2, 4, 8, 16, 32, 64)
 BUILTIN_K_SPLITS = (1, 2, 4, 8, 16)
 OURS = "decodejax/nhd/auto"  # the Triton kernel's default path: the figure every ratio is of
-MERGE_LAUNCH = "decodejax/nhd/auto/merge_launch"  # the same with DecodeConfig.fused_merge off
+FUSED_MERGE = "decodejax/nhd/auto/fused_merge"  # the same with DecodeConfig.fused_merge on
 MOSAIC_AUTO = "decodejax/mgpu-nhd/auto"  # the Mosaic GPU kernel's default path, beside the Triton kernel's
 # (block_k, num_stages, compute_warpgroups) of the Mosaic GPU kernel; one that does not fit a
 # case's shared memory is recorded as an error
@@ -130,8 +130,8 @@ def run_case(case, results, sweep: bool, tune: bool = False, ours_only: bool = F
     ours = lambda backend="pallas_triton", **kw: jax.jit(functools.partial(decodejax.decode_attention, backend=backend, **kw))
     record(OURS, ours(), q, k, v, table, lens, gpu_span=True)
     record(MOSAIC_AUTO, ours("pallas_mosaic_gpu"), q, k, v, table, lens, gpu_span=True)
-    # The split slots merged by a second launch (merge_states) instead of in the kernel's own.
-    record(MERGE_LAUNCH, ours(config=dataclasses.replace(default_config(case.head_dim), fused_merge=False)), q, k, v, table, lens,
+    # The split slots merged in the kernel's own launch instead of by a second one (merge_states).
+    record(FUSED_MERGE, ours(config=dataclasses.replace(default_config(case.head_dim), fused_merge=True)), q, k, v, table, lens,
            gpu_span=True)
     if tune_mosaic:
         from pallas_kernels.decode_attention_mgpu import MosaicDecodeConfig
@@ -275,8 +275,12 @@ PEERS = {"flashinfer": "flashinfer/", "flashinfer_wall": "flashinfer_wall/", "ja
 GPU_TIME_PEERS = {"flashinfer": "flashinfer/", "jax_builtin_pallas": "jax_builtin_pallas/", "cudnn_contiguous": "cudnn_contiguous"}
 def gpu_time(name: str, variant: dict) -> dict:
     """A variant's GPU-time statistics: FlashInfer's CUDA-event samples, a JAX variant's traced
-    spans ({} when it has none)."""
-    return variant if name.startswith("flashinfer/") and "median_us" in variant else variant.get("gpu_span", {})
+    spans; {} when it has none, or when the span is longer than the host clock's time for the
+    same calls untraced: the tracer's host cost then starved the GPU, so the span is not GPU time."""
+    if name.startswith("flashinfer/"):
+        return variant if "median_us" in variant else {}
+    span = variant.get("gpu_span", {})
+    return span if span and span["median_us"] <= variant.get("median_us", 0.0) else {}
 
 
 def comparisons(results) -> dict:
@@ -326,20 +330,24 @@ def gpu_time_table(results) -> list[str]:
     rows = []
     for name, entry in results["cases"].items():
         var = entry["variants"]
-        ours = gpu_time(OURS, var.get(OURS, {}))
-        if "median_us" not in ours:
+        span = var.get(OURS, {}).get("gpu_span")
+        if not span:
             continue
+        ours = gpu_time(OURS, var[OURS])
         stats = {label: _best(var, prefix, gpu_time)[1] for label, prefix in
                  (("mosaic", MOSAIC_AUTO), ("builtin", "jax_builtin_pallas/"), ("cudnn", "cudnn_contiguous"), ("fi", "flashinfer/"))}
         fmt = lambda v: f"{v['median_us']:.1f}" if v else "n/a"
-        ratio = lambda peer: f"{peer['median_us'] / ours['median_us']:.2f}x" if peer else "n/a"
-        rows.append(f"| {name} | {ours['median_us']:.1f} / {ours['min_us']:.1f} | {ours['tbps_median']:.2f} | {fmt(stats['mosaic'])} | "
-                    f"{fmt(stats['builtin'])} | {fmt(stats['cudnn'])} | {fmt(stats['fi'])} | {ratio(stats['builtin'])} | {ratio(stats['fi'])} |")
+        ratio = lambda peer: f"{peer['median_us'] / ours['median_us']:.2f}x" if peer and ours else "n/a"
+        mine = f"{ours['median_us']:.1f} / {ours['min_us']:.1f} | {ours['tbps_median']:.2f}" if ours else f"({span['median_us']:.1f}) | "
+        rows.append(f"| {name} | {mine} | {fmt(stats['mosaic'])} | {fmt(stats['builtin'])} | {fmt(stats['cudnn'])} | "
+                    f"{fmt(stats['fi'])} | {ratio(stats['builtin'])} | {ratio(stats['fi'])} |")
     if not rows:
         return []
     return ["", f"GPU time per call (us, median of {TRACED_SAMPLES} runs of {results['method']['reps_per_sample']} back-to-back "
             "calls): ours and the JAX peers from a profiler trace of each run (first kernel's start to last kernel's end), "
-            "FlashInfer from CUDA events around its runs. Neither includes the host's first dispatch of a run or the final sync.", "",
+            "FlashInfer from CUDA events around its runs. Neither includes the host's first dispatch of a run or the final sync. "
+            "A traced span longer than the same calls' host-clock time is no GPU time (the tracer's host cost starved the GPU): "
+            "such a figure is left out (n/a), ours in parentheses.", "",
             "| case | decodejax (auto, NHD) med / min | TB/s | Mosaic GPU (auto) | JAX builtin Pallas (best) | cuDNN contiguous "
             "| FlashInfer best (CUDA events) | ours vs builtin | ours vs FlashInfer |", "|---|---|---|---|---|---|---|---|---|", *rows]
 
@@ -389,15 +397,16 @@ def render_table(results) -> str:
                 per_case = ", ".join(f"{c}: {r:.2f}" for c, r in est["ratios"].items())
                 lines.append(f"| {timing} | {name} | {est['arithmetic_mean_of_ratios']:.2f} | {est['ratio_of_sums']:.2f} | "
                              f"{est['geometric_mean']:.2f} | {est['max']:.2f} | {per_case} |")
-    both = [(name, e["variants"]) for name, e in results["cases"].items() if "median_us" in e["variants"].get(MERGE_LAUNCH, {})]
+    both = [(name, e["variants"]) for name, e in results["cases"].items() if "median_us" in e["variants"].get(FUSED_MERGE, {})]
     if both:
         busy = lambda v: f"{v['gpu_busy']['median_us']:.1f}" if "gpu_busy" in v else "n/a"
-        lines += ["", "The split slots merged in the kernel's launch (default) or by a second launch (`merge_states`), median us "
-                  "(host clock; kernels' GPU time from the traces). One-slot plans run the same single launch either way:", "",
-                  "| case | merged in the launch | GPU | merge launch | GPU |", "|---|---|---|---|---|"]
+        lines += ["", "The split slots merged by a second launch (`merge_states`, the default) or in the kernel's own launch "
+                  "(`fused_merge`), median us (host clock; the kernels' GPU time from the traces). One-slot plans run the same "
+                  "single launch either way:", "",
+                  "| case | merge launch | GPU | merged in the launch | GPU |", "|---|---|---|---|---|"]
         for name, var in both:
-            fused, launched = var[OURS], var[MERGE_LAUNCH]
-            lines.append(f"| {name} | {fused['median_us']:.1f} | {busy(fused)} | {launched['median_us']:.1f} | {busy(launched)} |")
+            launched, fused = var[OURS], var[FUSED_MERGE]
+            lines.append(f"| {name} | {launched['median_us']:.1f} | {busy(launched)} | {fused['median_us']:.1f} | {busy(fused)} |")
     mosaic = [(name, e["variants"]) for name, e in results["cases"].items() if "median_us" in e["variants"].get(MOSAIC_AUTO, {})]
     if mosaic:
         lines += ["", "The Mosaic GPU kernel against the Triton kernel, both default paths of this run, median / min us:", "",

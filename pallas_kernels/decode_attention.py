@@ -14,12 +14,12 @@ Loads of tokens outside [start, end) or invisible to the query (length, window, 
 masked, so they touch no memory: page tails, unused pages and the null page are never read.
 The program writes its split's normalized partial state (o, lse) in float32; an EMPTY split
 writes (0, -inf). With a plan of one slot the program writes the output itself. With more,
-the slots are merged in the same launch (`DecodeConfig.fused_merge`): each program counts
-itself done on an i32[B, H_kv] counter (an atomic add, acquire-release at GPU scope, after a
-block barrier, so every thread's partial-state stores come before it), and the program that
-counts last folds the S states of its G rows in slot order, one slot of every row per step, so
-the result is the same whichever program that is. Without fused_merge, `merge_states` reduces the
-slots in a second launch. Its pure-jnp twin is `decodejax.reference.paged_decode`.
+`merge_states` reduces the slots in a second launch, or, with `DecodeConfig.fused_merge`, in
+the same launch: each program counts itself done on an i32[B, H_kv] counter (an atomic add,
+acquire-release at GPU scope, after a block barrier, so every thread's partial-state stores
+come before it), and the program that counts last folds the S states of its G rows in slot
+order, one slot of every row per step, so the result is the same whichever program that is.
+Its pure-jnp twin is `decodejax.reference.paged_decode`.
 """
 
 from __future__ import annotations
@@ -51,13 +51,16 @@ class DecodeConfig:
       num_warps: Triton warps per program.
       num_stages: software-pipelining depth of the K/V loads.
       fused_merge: with more than one split slot, merge them in the kernel's launch (the last
-        program of a (request, K/V head) to finish merges) rather than in a second launch.
+        program of a (request, K/V head) to finish merges) rather than in a second launch. Off
+        by default: on the H200 the merging program's serial fold made the kernel 8 us slower
+        at B 1 (32 slots) and 1.5 us at B 8 (4 slots) than kernel plus merge launch, against
+        6 us faster on the ragged batch and even at D 64 (benchmarks/README.md).
     """
 
     block_k: int = 128
     num_warps: int = 4
     num_stages: int = 3
-    fused_merge: bool = True
+    fused_merge: bool = False
 
 
 def default_config(head_dim: int) -> DecodeConfig:
@@ -66,7 +69,7 @@ def default_config(head_dim: int) -> DecodeConfig:
     On the H200 (D = 128) block_k = 128 with 4 warps was the fastest or within 3% of it in
     the config sweep at B = 1, 32 and 128 (benchmarks/results/decode_attention_sweep.json).
     """
-    return DecodeConfig(block_k=max(16, min(128, 16384 // head_dim)), num_warps=4, num_stages=3, fused_merge=True)
+    return DecodeConfig(block_k=max(16, min(128, 16384 // head_dim)), num_warps=4, num_stages=3)
 
 
 def _decode_kernel(
@@ -209,10 +212,10 @@ def _launch(q, k_pages, v_pages, page_table, seq_lens, cache_batch_idx, *, layou
     inputs = [q, k_pages.reshape(rows, D), v_pages.reshape(rows, D), page_table, seq_lens]
     inputs += [] if cache_batch_idx is None else [cache_batch_idx]
     aliases = {}
-    if writes == "merged":  # the counter starts at zero in every call; its output is the input's buffer
-        aliases = {len(inputs): 4}
-        inputs.append(jnp.zeros((B, H_kv), jnp.int32))
+    if writes == "merged":  # the counter starts at zero in every call; its output (the last) is the input's buffer
         out_shape = (*output, *partials, jax.ShapeDtypeStruct((B, H_kv), jnp.int32))
+        aliases = {len(inputs): len(out_shape) - 1}
+        inputs.append(jnp.zeros((B, H_kv), jnp.int32))
     else:
         out_shape = output if writes == "output" else partials
     results = pl.pallas_call(
@@ -251,8 +254,9 @@ def paged_decode(
 
     Slot s of request b covers `plan.slot_bounds`, which the kernel computes itself. Every XLA
     op around a kernel is another launch and more host work per call, so there are none but
-    the merge counter's zeros: one launch writes o, merging the slots itself when there are
-    several (config.fused_merge; without it, `merge_states` merges them in a second launch).
+    the zeros of a fused merge's counter: a plan of one slot is one launch (the kernel writes
+    o), more slots are two (the partial states, then `merge_states`) or, with
+    config.fused_merge, one that merges them itself.
     Shapes and dtypes are checked by the public op `decodejax.decode_attention`; this wrapper
     only checks what the kernel itself assumes.
     """
