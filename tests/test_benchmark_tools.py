@@ -114,3 +114,36 @@ def test_decode_benchmark_compares_gpu_time_with_flashinfers_events_and_host_clo
     rows = gpu_time_table(results)
     assert rows[-2].startswith("| B32_T4096 | 129.0 / 128.0 |") and rows[-2].endswith("| 1.86x | 0.98x |")
     assert rows[-1].startswith("| B1_T32768 | (72.0) |") and rows[-1].endswith("| 42.0 | n/a | n/a |")
+
+
+def test_e2e_step_timing_splits_each_step_into_submit_and_fetch_and_restores_the_runner():
+    """benchmarks.e2e_decode.timed_steps wraps the runner's submit and fetch for the timed steps
+    only: each step's parts are its own, and the runner's methods are its own again afterwards."""
+    import time
+
+    from benchmarks.e2e_decode import timed_steps
+
+    class Runner:
+        def submit(self, rows):
+            time.sleep(0.002)
+            return rows
+
+        def fetch(self, pending):
+            time.sleep(0.004)
+            return pending
+
+    class Engine:
+        runner = Runner()
+
+        def step(self):
+            return self.runner.fetch(self.runner.submit([1, 2]))
+
+    engine = Engine()
+    parts = timed_steps(engine, batch=2, steps=3)
+    assert len(parts["step"]) == len(parts["submit"]) == len(parts["fetch"]) == 3
+    for step, submit, fetch in zip(parts["step"], parts["submit"], parts["fetch"]):
+        assert submit >= 2.0 and fetch >= 4.0 and submit + fetch <= step
+    assert "submit" not in vars(engine.runner) and "fetch" not in vars(engine.runner)
+    with pytest.raises(RuntimeError, match="produced 2 tokens for a batch of 3"):
+        timed_steps(engine, batch=3, steps=1)
+    assert "submit" not in vars(engine.runner) and "fetch" not in vars(engine.runner)
