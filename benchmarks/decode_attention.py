@@ -5,20 +5,26 @@
     python -m benchmarks.decode_attention --report benchmarks/results/decode_attention.json
 
 Each variant is timed as SAMPLES samples of REPS back-to-back calls followed by
-block_until_ready (`samples_us`, the figure every table and ratio uses); FlashInfer runs under
+block_until_ready (`samples_us`, the host-clock figure of every table); FlashInfer runs under
 PyTorch in its own process (benchmarks.peers.flashinfer_decode) on data built by the same
 `make_case`, timed the same way (`flashinfer_wall/`: perf_counter around REPS runs and a sync)
 and with CUDA events around other runs of REPS (`flashinfer/`: its GPU time, without the
-host's first dispatch and the final sync). Our call and the JAX peers get that GPU figure too
-(`gpu_span`: TRACED_SAMPLES profiler traces of REPS back-to-back calls, each the span from the
-first kernel's start to the last one's end, over REPS), because a JAX call's first dispatch
-after a sync costs the host several times a warm one (benchmarks/README.md, the timeline probe),
-which the host-clock samples spread over their REPS calls. Its plan() runs once, outside the timing; our split
-bounds are computed inside every call. Second figures, in the JSON only: FlashInfer's REPS
-runs in one CUDA graph (`graph_samples_us`) and, with --in-program, REPS of our calls compiled
-into one jitted program per sample (`in_program_samples_us`; one more compile per variant).
-Raw samples are microseconds per call. Effective bandwidth is unique K/V bytes over the median time,
-against the H200's 4.8 TB/s datasheet figure.
+host's first dispatch and the final sync). FlashInfer's plan() runs once, outside the timing;
+our split bounds are computed inside every call.
+
+Our call and the JAX peers get a GPU-time figure too (`gpu_span`: TRACED_SAMPLES profiler
+traces of REPS back-to-back calls, each the span from the first kernel's start to the last
+one's end, over REPS; `gpu_busy`: the kernels' own time in the same traces), because a JAX
+call's first dispatch after a sync costs the host several times a warm one
+(benchmarks/README.md, the timeline probe), which the host-clock samples spread over their REPS
+calls. A span longer than the variant's host-clock time is not GPU time (the tracer's host cost
+starved the GPU) and `gpu_time` leaves it out. Ratios are given by both clocks (`comparisons`).
+
+Second figures, in the JSON only: FlashInfer's REPS runs in one CUDA graph (`graph_samples_us`)
+and, with --in-program, REPS of our calls compiled into one jitted program per sample
+(`in_program_samples_us`; one more compile per variant). Raw samples are microseconds per call.
+Effective bandwidth is unique K/V bytes over the median time, against the H200's 4.8 TB/s
+datasheet figure.
 """
 
 from __future__ import annotations
