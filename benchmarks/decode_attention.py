@@ -136,9 +136,13 @@ def run_case(case, results, sweep: bool, tune: bool = False, ours_only: bool = F
     ours = lambda backend="pallas_triton", **kw: jax.jit(functools.partial(decodejax.decode_attention, backend=backend, **kw))
     record(OURS, ours(), q, k, v, table, lens, gpu_span=True)
     record(MOSAIC_AUTO, ours("pallas_mosaic_gpu"), q, k, v, table, lens, gpu_span=True)
-    # The split slots merged in the kernel's own launch instead of by a second one (merge_states).
-    record(FUSED_MERGE, ours(config=dataclasses.replace(default_config(case.head_dim), fused_merge=True)), q, k, v, table, lens,
-           gpu_span=True)
+    # The split slots merged in the kernel's own launch instead of by a second one (merge_states);
+    # a plan of one slot has nothing to merge and runs the same single launch either way.
+    config = default_config(case.head_dim)
+    plan = decodejax._ops.decode_plan(case.batch, case.kv_heads, table.shape[1] * case.page_size, config.block_k,
+                                      num_splits=None, deterministic=False, head_dim=case.head_dim)
+    if plan.capacity > 1:
+        record(FUSED_MERGE, ours(config=dataclasses.replace(config, fused_merge=True)), q, k, v, table, lens, gpu_span=True)
     if tune_mosaic:
         from pallas_kernels.decode_attention_mgpu import MosaicDecodeConfig
 
@@ -279,6 +283,8 @@ def finish(results, flashinfer_json: str | None, out_path: str) -> None:
 PEERS = {"flashinfer": "flashinfer/", "flashinfer_wall": "flashinfer_wall/", "jax_builtin_pallas": "jax_builtin_pallas/", "cudnn_contiguous": "cudnn_contiguous", "xla_gather_reference": "xla_gather_reference"}
 # GPU time per call: FlashInfer's CUDA events against the JAX variants' traced spans
 GPU_TIME_PEERS = {"flashinfer": "flashinfer/", "jax_builtin_pallas": "jax_builtin_pallas/", "cudnn_contiguous": "cudnn_contiguous"}
+
+
 def gpu_time(name: str, variant: dict) -> dict:
     """A variant's GPU-time statistics: FlashInfer's CUDA-event samples, a JAX variant's traced
     spans; {} when it has none, or when the span is longer than the host clock's time for the
@@ -407,8 +413,8 @@ def render_table(results) -> str:
     if both:
         busy = lambda v: f"{v['gpu_busy']['median_us']:.1f}" if "gpu_busy" in v else "n/a"
         lines += ["", "The split slots merged by a second launch (`merge_states`, the default) or in the kernel's own launch "
-                  "(`fused_merge`), median us (host clock; the kernels' GPU time from the traces). One-slot plans run the same "
-                  "single launch either way:", "",
+                  "(`fused_merge`), median us (host clock; the kernels' GPU time from the traces), for the cases whose plan has "
+                  "more than one slot:", "",
                   "| case | merge launch | GPU | merged in the launch | GPU |", "|---|---|---|---|---|"]
         for name, var in both:
             launched, fused = var[OURS], var[FUSED_MERGE]

@@ -216,3 +216,11 @@ def lse_to_base2(lse: jax.Array) -> jax.Array:
 def lse_from_base2(lse2: jax.Array) -> jax.Array:
     """Base-2 LSE -> natural-log LSE."""
     return lse2 / LOG2_E
+
+
+def rescale_base2(m: jax.Array, m_new: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The kernels' running base-2 state (max m, -inf while EMPTY) moving to max m_new: (m_safe,
+    scale). m_safe is what new exponents subtract (0 while still EMPTY, so no -inf - -inf) and
+    scale = exp2(m - m_safe) rescales what came before (exactly 0 after EMPTY)."""
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    return m_safe, jnp.exp2(m - m_safe)

@@ -35,7 +35,7 @@ from jax.experimental.pallas import triton as plgpu
 from decodejax.addressing import KVLayout, pool_geometry
 from decodejax.masks import DecodeMask, visible
 from decodejax.planning import SplitPlan
-from decodejax.split_state import LOG2_E
+from decodejax.split_state import LOG2_E, rescale_base2
 from pallas_kernels.merge_states import merge_states
 from pallas_kernels.paged_blocks import finish, initial_carry, load_kv_block, online_softmax_step
 
@@ -169,8 +169,8 @@ def _merge_if_last(o_part_ref, lse_part_ref, counter_ref, o_ref, lse_ref, b, h, 
             filled = g_live & (lse > -jnp.inf)  # an EMPTY slot's o is never read
             o = plgpu.load(o_part_ref.at[b, rows[:, None], s, lanes], mask=filled[:, None], other=0.0)
             m_new = jnp.maximum(m, lse)
-            m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-            w, scale = jnp.exp2(lse - m_safe), jnp.exp2(m - m_safe)  # w is exactly 0 for EMPTY slots
+            m_safe, scale = rescale_base2(m, m_new)
+            w = jnp.exp2(lse - m_safe)  # exactly 0 for EMPTY slots
             return m_new, l * scale + w, acc * scale[:, None] + w[:, None] * o
 
         o, lse = finish(*jax.lax.fori_loop(0, num_slots, fold, initial_carry(MIN_DOT_ROWS, d)))

@@ -43,7 +43,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from decodejax.addressing import KVLayout, pool_geometry
 from decodejax.masks import DecodeMask, visible
-from decodejax.split_state import LOG2_E
+from decodejax.split_state import LOG2_E, rescale_base2
 
 WGMMA_ROWS = 64  # the M of one warpgroup MMA: the padded query rows of a program
 QUERY_ROWS = 8  # the G query rows of a K/V head padded to one shared-memory tile
@@ -163,17 +163,16 @@ def _online_softmax(scores, m, l):
     """One block of the running softmax in base 2: scores f32[R, N] (-inf where masked) and the
     state (m, l) f32[R] -> (p f32[R, N], alpha f32[R] rescaling what came before, m, l)."""
     m_new = jnp.maximum(m, scores.max(axis=1))
-    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # EMPTY so far: no -inf - -inf
+    m_safe, alpha = rescale_base2(m, m_new)
     p = jnp.exp2(scores - _row_vector(m_safe, scores.shape))
-    alpha = jnp.exp2(m - m_safe)
     return p, alpha, m_new, l * alpha + p.sum(axis=1)
 
 
 def _merge_states(acc, m, l, acc_other, m_other, l_other):
     """Two running states (acc f32[R, D], m, l f32[R], base 2) of disjoint blocks -> one."""
     m_max = jnp.maximum(m, m_other)
-    m_safe = jnp.where(m_max == -jnp.inf, 0.0, m_max)
-    scale, scale_other = jnp.exp2(m - m_safe), jnp.exp2(m_other - m_safe)
+    m_safe, scale = rescale_base2(m, m_max)
+    scale_other = jnp.exp2(m_other - m_safe)
     merged = acc * _row_vector(scale, acc.shape) + acc_other * _row_vector(scale_other, acc.shape)
     return merged, m_max, l * scale + l_other * scale_other
 

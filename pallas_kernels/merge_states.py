@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from decodejax.split_state import LOG2_E
+from decodejax.split_state import LOG2_E, rescale_base2
 
 
 
@@ -46,9 +46,8 @@ def _merge_kernel(o_ref, lse_ref, out_o_ref, out_lse_ref, *, num_slots: int, blo
         filled = lse > -jnp.inf
         o = plgpu.load(o_ref.at[n, slots[:, None], jnp.arange(d)[None, :]], mask=filled[:, None], other=0.0)
         m_new = jnp.maximum(m, jnp.max(lse))
-        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        m_safe, scale = rescale_base2(m, m_new)
         w = jnp.exp2(lse - m_safe)  # exactly 0 for EMPTY slots
-        scale = jnp.exp2(m - m_safe)
         return m_new, l * scale + jnp.sum(w), acc * scale + jnp.sum(w[:, None] * o, axis=0)
 
     init = (jnp.float32(-jnp.inf), jnp.float32(0.0), jnp.zeros((d,), jnp.float32))

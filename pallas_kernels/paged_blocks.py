@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jax.experimental.pallas import triton as plgpu
 
 from decodejax.addressing import KVLayout, pool_row
-from decodejax.split_state import LOG2_E
+from decodejax.split_state import LOG2_E, rescale_base2
 
 
 def load_kv_block(k_ref, v_ref, table_ref, cache_row, t, live, kv_head, lanes, *, page_size: int, num_kv_heads: int,
@@ -36,9 +36,8 @@ def online_softmax_step(carry, q, k, v, seen, *, sm_scale: float, soft_cap: floa
         scores = soft_cap * jnp.tanh(scores / soft_cap)
     scores = jnp.where(seen, scores * LOG2_E, -jnp.inf)
     m_new = jnp.maximum(m, jnp.max(scores, axis=1))
-    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # EMPTY so far: no -inf - -inf
+    m_safe, scale = rescale_base2(m, m_new)
     p = jnp.exp2(scores - m_safe[:, None])
-    scale = jnp.exp2(m - m_safe)
     acc = acc * scale[:, None] + plgpu.dot(p.astype(v.dtype), v, allow_tf32=not exact)
     return m_new, l * scale + jnp.sum(p, axis=1), acc
 
