@@ -12,6 +12,11 @@
 One step is: refresh_decode_metadata -> model forward -> sample_window; tokens and accept
 lengths land in `buffers.sampled` (where the next step can read them on the device) and leave
 as the step's own small output, which reaches the host in one copy (`submit` -> `fetch`).
+
+The step samples without sorting the logits, which is exact for greedy, temperature and min-p
+rows. When a live row asks for a top-k above 1 or a top-p below 1 (the host knows each slot's
+parameters), a second small executable per bucket, `resample_step`, samples the step's logits
+again with the sort and overwrites the step's output before it is copied back.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import numpy as np
 from decodejax import dispatch
 from decodejax.cache import CacheGroupRouter, KVPool
 from decodejax.metadata import DecodeBuffers, DecodeRow, ForwardContext, pack_decode_batch, packed_width, refresh_decode_metadata
-from decodejax.sampling import SamplingParams, SamplingPool, sample_window
+from decodejax.sampling import SamplingParams, SamplingPool, needs_order_statistics, sample_window
 
 log = logging.getLogger("decodejax.runner")
 
@@ -183,8 +188,8 @@ class RunnerConfig:
 
 
 def decode_step(param_leaves, pool, buffers, sampling, packed, *, bs, router, layer_leaves, model_forward, param_tree):
-    """The hot step: refresh -> forward -> sample. Returns (pool, buffers, sampled i32[bs, N + 1]);
-    pool and buffers are donated.
+    """The hot step: refresh -> forward -> sample (no sort). Returns (pool, buffers, sampled
+    i32[bs, N + 1], logits [bs, N, V]); pool and buffers are donated.
 
     `packed` (i32[1 + bs, width], see pack_decode_batch) is the step's one host upload. The
     parameters come as their flat leaves (`param_tree` rebuilds them): flattening a Flax NNX
@@ -195,14 +200,27 @@ def decode_step(param_leaves, pool, buffers, sampling, packed, *, bs, router, la
     buffers = refresh_decode_metadata(buffers, packed, bs=bs, router=router)
     ctx = ForwardContext.for_decode(buffers, bs, layer_leaves)
     logits, pool = model_forward(params, pool, ctx)
-    tokens, accept = sample_window(logits, ctx.window_ids, ctx.positions, ctx.slots, sampling)
+    buffers, sampled = _record_sampled(buffers, logits, ctx, sampling, bs=bs, order_statistics=False)
+    return pool, buffers, sampled, logits
+
+
+def resample_step(buffers, sampling, logits, *, bs):
+    """Samples a step's logits [bs, N, V] again with the sort (top-k > 1, top-p < 1 rows) and
+    overwrites its output. Returns (buffers, sampled i32[bs, N + 1]); buffers are donated."""
+    ctx = ForwardContext.for_decode(buffers, bs, ())
+    return _record_sampled(buffers, logits, ctx, sampling, bs=bs, order_statistics=True)
+
+
+def _record_sampled(buffers, logits, ctx, sampling, *, bs, order_statistics):
+    tokens, accept = sample_window(logits, ctx.window_ids, ctx.positions, ctx.slots, sampling, order_statistics=order_statistics)
     sampled = jnp.concatenate([tokens, accept[:, None]], axis=1)
     # `sampled` also leaves as its own array: the host copies it back while the next step,
     # which donates the buffers, is already running.
-    return pool, dataclasses.replace(buffers, sampled=buffers.sampled.at[:bs].set(sampled)), sampled
+    return dataclasses.replace(buffers, sampled=buffers.sampled.at[:bs].set(sampled)), sampled
 
 
 _donating_step = jax.jit(decode_step, static_argnames=("bs", "router", "layer_leaves", "model_forward", "param_tree"), donate_argnums=(1, 2))
+_donating_resample = jax.jit(resample_step, static_argnames=("bs",), donate_argnums=(0,))
 
 
 class DecodeRunner:
@@ -230,6 +248,7 @@ class DecodeRunner:
             raise RebindError(f"the initial pool is rejected: {reasons}")
         self.buffers = DecodeBuffers.create(router, config.max_decode_bs, config.window)
         self.sampling = SamplingPool.create(max_requests)
+        self._sorting_slots = np.zeros(max_requests, bool)  # host copy of needs_order_statistics per slot
         self.bucketed, culprits = compose_bucket_support(self.backends, "decode")
         if culprits:
             log.warning("decode buckets disabled by backend classes %s: every batch runs at its exact size", culprits)
@@ -241,7 +260,7 @@ class DecodeRunner:
         # (header actual_bs = 0, every table entry the null page), sliced per bucket.
         self._placeholder = np.zeros((1 + config.max_decode_bs, packed_width(router, config.window)), np.int32)
         self.capture_seconds: dict[int, float] = {}
-        self._executables: dict[int, Callable] = {}
+        self._executables: dict[int, tuple[Callable, Callable]] = {}  # bucket -> (step, resample_step)
         self.selections: dict[int, tuple] = {}  # bucket -> the dispatch selections of its trace
         self._announced: set[int] = set()
 
@@ -250,12 +269,15 @@ class DecodeRunner:
         return dict(bs=bs, router=self.router, layer_leaves=self.layer_leaves, model_forward=self.model_forward, param_tree=self.param_tree)
 
     def _compile(self, bs: int):
-        """AOT-compiles the step for bs; records the backend selections made while tracing it."""
+        """AOT-compiles the step and resample_step for bs; records the backend selections made
+        while tracing the step."""
         packed = jax.ShapeDtypeStruct((1 + bs, packed_width(self.router, self.config.window)), jnp.int32)
         with dispatch.capturing(), dispatch.recording() as selections:
             lowered = _donating_step.lower(self.param_leaves, self.pool, self.buffers, self.sampling, packed, **self._statics(bs))
         self.selections[bs] = tuple(selections)
-        return lowered.compile()
+        logits = lowered.out_info[3]
+        resample = _donating_resample.lower(self.buffers, self.sampling, jax.ShapeDtypeStruct(logits.shape, logits.dtype), bs=bs)
+        return lowered.compile(), resample.compile()
 
     def capture(self, progress=sys.stderr) -> dict[int, float]:
         """Compiles every bucket of the ladder and runs it once on placeholder tables (actual_bs = 0).
@@ -268,8 +290,9 @@ class DecodeRunner:
         for i, bs in enumerate(ladder):
             t0 = time.perf_counter()
             try:
-                self._executables[bs] = self._compile(bs)
-                self.pool, self.buffers, _ = self._executables[bs](self.param_leaves, self.pool, self.buffers, self.sampling, self._placeholder[: 1 + bs])
+                self._executables[bs] = step, resample = self._compile(bs)
+                self.pool, self.buffers, _, logits = step(self.param_leaves, self.pool, self.buffers, self.sampling, self._placeholder[: 1 + bs])
+                self.buffers, _ = resample(self.buffers, self.sampling, logits)
                 jax.block_until_ready(self.buffers)
             except Exception as exc:
                 raise CaptureError(f"capturing bucket bs={bs} failed: {exc!r}") from exc
@@ -288,8 +311,8 @@ class DecodeRunner:
         Temporaries that grow with the pool would mean a step copies cache layers.
         """
         out = {}
-        for bs, executable in sorted(self._executables.items()):
-            stats = executable.memory_analysis()
+        for bs, (step, _) in sorted(self._executables.items()):
+            stats = step.memory_analysis()
             out[bs] = {"temp_bytes": int(stats.temp_size_in_bytes), "alias_bytes": int(stats.alias_size_in_bytes)}
         return out
 
@@ -302,8 +325,8 @@ class DecodeRunner:
             return actual_bs  # above the ladder: its exact size
         return next(b for b in self.config.ladder if b >= actual_bs)
 
-    def executable(self, bs: int):
-        """The compiled step of bucket bs (compiled on first use above the ladder)."""
+    def executable(self, bs: int) -> tuple[Callable, Callable]:
+        """The compiled step and resample_step of bucket bs (compiled on first use above the ladder)."""
         if bs not in self._executables:
             if bs not in self._announced:
                 log.warning("decode batch of %d rows is above the capture ladder: compiling that exact size once", bs)
@@ -314,6 +337,7 @@ class DecodeRunner:
 
     def set_sampling(self, slot: int, params: SamplingParams) -> None:
         self.sampling = self.sampling.set(slot, params)
+        self._sorting_slots[slot] = needs_order_statistics(params)
 
     def submit(self, rows: list[DecodeRow]) -> "PendingStep":
         """Validates and packs the batch, then dispatches one step (asynchronously).
@@ -326,10 +350,16 @@ class DecodeRunner:
         bs = self.bucket_for(actual)
         packed = pack_decode_batch(rows, bs=bs, router=self.router, window=self.config.window, vocab_size=self.vocab_size,
                                    max_rows=self.config.max_decode_bs)
+        sort = bool(self._sorting_slots[[row.slot for row in rows]].any())
         if self.config.enforce_eager:
-            self.pool, self.buffers, sampled = decode_step(self.param_leaves, self.pool, self.buffers, self.sampling, jnp.asarray(packed), **self._statics(bs))
+            self.pool, self.buffers, sampled, logits = decode_step(self.param_leaves, self.pool, self.buffers, self.sampling, jnp.asarray(packed), **self._statics(bs))
+            if sort:
+                self.buffers, sampled = resample_step(self.buffers, self.sampling, logits, bs=bs)
         else:
-            self.pool, self.buffers, sampled = self.executable(bs)(self.param_leaves, self.pool, self.buffers, self.sampling, packed)
+            step, resample = self.executable(bs)
+            self.pool, self.buffers, sampled, logits = step(self.param_leaves, self.pool, self.buffers, self.sampling, packed)
+            if sort:
+                self.buffers, sampled = resample(self.buffers, self.sampling, logits)
             self.guard.check({"pool": self.pool, "buffers": self.buffers})
         sampled.copy_to_host_async()
         return PendingStep(actual, sampled)

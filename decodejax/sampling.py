@@ -100,19 +100,32 @@ class SamplingPool:
         )
 
 
-def _filter_logits(logits, temperature, top_k, top_p, min_p):
+def needs_order_statistics(params: SamplingParams) -> bool:
+    """Whether the request's filter reads the sorted logits: a top-k above 1 or a top-p below 1.
+
+    Greedy (top-k = 1), plain temperature and min-p rows need only the row's maximum.
+    """
+    return params.top_k > 1 or params.top_p < 1
+
+
+def _filter_logits(logits, temperature, top_k, top_p, min_p, *, order_statistics: bool = True):
     """logits [R, V] -> filtered logits (dropped tokens at -inf); parameters [R].
 
-    Every batch sorts its logits, even when no row needs an order statistic (greedy, plain
-    temperature and min-p rows: top-k = 1 keeps the maximum, top-p = 1 keeps everything). The
-    sort costs up to about a millisecond per step (128 rows of a 128k vocabulary on the H200),
-    but skipping it needs a branch on device data, and XLA decides a conditional on the host:
-    the step's dispatch then waited for the forward to finish, and the GPU idled 2 to 5 ms per
-    engine step while the host launched the rest (benchmarks/README.md, end to end).
+    With order_statistics=False nothing is sorted, and the result is exact only for rows for
+    which `needs_order_statistics` is False (for them both settings give the same kept set:
+    the sorted threshold of top-k = 1 is the maximum, of top-k = 0 the minimum, and top-p = 1
+    keeps everything). The choice is static because it must be: the sort costs up to about a
+    millisecond per step (128 rows of a 128k vocabulary on the H200), and deciding it on device
+    data makes a conditional, which XLA decides on the host: the step's dispatch then waited
+    for the forward to finish, and the GPU idled 2 to 5 ms per engine step (benchmarks/README.md,
+    end to end). The runner decides it on the host from the batch's parameters.
     """
     logits = logits.astype(jnp.float32) / temperature[:, None]
     probs = jax.nn.softmax(logits, axis=-1)
     keep = probs >= min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True)
+    if not order_statistics:
+        keep &= (top_k[:, None] != 1) | (logits >= jnp.max(logits, axis=-1, keepdims=True))
+        return jnp.where(keep, logits, -jnp.inf)
     V = logits.shape[-1]
     sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]  # descending
     k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)
@@ -133,15 +146,19 @@ def sample_window(
     positions: jax.Array,  # i32[bs, N]: position of each window column
     slots: jax.Array,  # i32[bs]: request slot of each row
     pool: SamplingPool,
+    *,
+    order_statistics: bool = True,
 ) -> tuple[jax.Array, jax.Array]:
     """Samples every window column and verifies the drafts: (tokens i32[bs, N], accept_len i32[bs]).
 
     The draw for (request, position) uses key fold_in(PRNGKey(seed), position), so a seeded
-    request reproduces its tokens whatever its batch neighbours.
+    request reproduces its tokens whatever its batch neighbours. order_statistics=False skips
+    the sort and is exact only when no row `needs_order_statistics` (see _filter_logits).
     """
     bs, N, V = logits.shape
     rows = lambda x: jnp.repeat(x[slots], N)  # noqa: E731  per (row, column)
-    filtered = _filter_logits(logits.reshape(bs * N, V), rows(pool.temperature), rows(pool.top_k), rows(pool.top_p), rows(pool.min_p))
+    filtered = _filter_logits(logits.reshape(bs * N, V), rows(pool.temperature), rows(pool.top_k), rows(pool.top_p), rows(pool.min_p),
+                              order_statistics=order_statistics)
     keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.PRNGKey(s), p))(rows(pool.seed), positions.reshape(-1))
     tokens = jax.vmap(jax.random.categorical)(keys, filtered).reshape(bs, N).astype(jnp.int32)
     drafts_ok = window_ids[:, 1:] == tokens[:, :-1]  # [bs, N - 1]

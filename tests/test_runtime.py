@@ -31,7 +31,7 @@ from decodejax.runner import (
     RunnerConfig,
     compile_events,
 )
-from decodejax.sampling import SamplingParams, SamplingPool, sample_window
+from decodejax.sampling import SamplingParams, SamplingPool, needs_order_statistics, sample_window
 from models import toy
 
 CFG = toy.ToyConfig()
@@ -165,9 +165,43 @@ def test_the_compiled_decode_step_holds_no_conditional():
     """XLA decides a conditional on the host: a step holding one waits, at dispatch, for the
     device to compute the predicate, so the engine's next step could not overlap this one (on
     the H200 the sampling's sort-or-not branch left the GPU idle 2 to 5 ms per step)."""
-    text = make_runner()._compile(4).as_text()
-    assert "custom_call" in text or "fusion" in text  # a compiled step, not an empty module
-    assert "conditional(" not in text
+    step, resample = make_runner()._compile(4)
+    for text in (step.as_text(), resample.as_text()):
+        assert "custom_call" in text or "fusion" in text  # a compiled step, not an empty module
+        assert "conditional(" not in text
+
+
+def test_R8_the_step_sorts_nothing_and_its_resample_sorts():
+    """The sort (up to about a millisecond per step on the H200) runs only in resample_step,
+    which the runner adds when a live row needs top-k > 1 or top-p < 1."""
+    step, resample = make_runner()._compile(4)
+    assert " sort(" not in step.as_text() and " sort(" in resample.as_text()
+    assert not needs_order_statistics(SamplingParams(temperature=0.0))
+    assert not needs_order_statistics(SamplingParams(temperature=0.7, min_p=0.1, top_k=0))
+    assert needs_order_statistics(SamplingParams(top_k=2)) and needs_order_statistics(SamplingParams(top_p=0.95))
+
+
+@pytest.mark.parametrize("eager", [False, True], ids=["bucketed", "eager"])
+def test_R8_runner_tokens_equal_the_sorting_sampler_on_the_steps_logits(eager):
+    """Greedy, temperature, min-p, top-k and top-p rows in one batch: the runner's tokens equal
+    sample_window (with the sort) on the logits of the step's own forward, row by row."""
+    config = RunnerConfig(max_decode_bs=12, max_capture_bs=8, capture_ladder=(1, 2, 4, 8), enforce_eager=eager)
+    runner = make_runner(config)
+    runner.capture(progress=None)
+    rows = random_rows(np.random.default_rng(11), 6)
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, seed=1), SamplingParams(min_p=0.3, seed=2),
+              SamplingParams(top_k=3, seed=3), SamplingParams(top_p=0.5, seed=4), SamplingParams(top_k=5, top_p=0.8, temperature=1.5, seed=5)]
+    for steps, batch in enumerate((rows[:3], rows)):  # first greedy/plain/min-p only (no resample), then all six
+        for row, p in zip(batch, params):
+            runner.set_sampling(row.slot, p)
+        out = runner.step(batch)
+        bs = runner.bucket_for(len(batch))
+        ctx = ForwardContext.for_decode(runner.buffers, bs, CFG.layer_leaves)
+        # The step already wrote this step's K/V; writing the same values again changes nothing.
+        logits, _ = toy.forward(CFG, toy.init_params(CFG), runner.pool, ctx)
+        tokens, accept = sample_window(logits, ctx.window_ids, ctx.positions, ctx.slots, runner.sampling)
+        np.testing.assert_array_equal(out[:, 0], np.asarray(tokens)[: len(batch), 0], err_msg=f"batch {steps}")
+        np.testing.assert_array_equal(out[:, 1], np.asarray(accept)[: len(batch)])
 
 
 def test_R8_top_p_1_keeps_every_token_even_when_the_rounded_mass_reaches_1_early():
