@@ -11,6 +11,7 @@
     python -m benchmarks.mosaic_probes timeline OUT.json  # GPU idle between back-to-back calls, and the host's work
     python -m benchmarks.mosaic_probes launches OUT.json  # the host's cost of a call by its number of launches
     python -m benchmarks.mosaic_probes sync OUT.json      # waiting for a result asleep (block_until_ready) or spinning
+    python -m benchmarks.mosaic_probes table_width OUT.json  # short requests in a page table sized for 8k tokens
 
 `layout`: are strided page copies (NHD rows are H_kv * D apart) what holds the kernel back?
 `configs`: do configs small enough for two programs per SM (80 KiB of shared memory) beat the
@@ -42,7 +43,11 @@ figure is the host's; `_dispatch_timings` and a trace of each, as `timeline`. `s
 timeline traces); does waiting by polling `is_ready()` instead (a spinning wait, as
 torch.cuda.synchronize's default) keep it warm? Back-to-back runs of 50 calls, single calls each
 waited for, and one call kept in flight while the previous one is waited for (the engine's
-overlapped decode), each with both waits.
+overlapped decode), each with both waits. `table_width`: the engine's page tables are as wide as
+its longest context (8,238 tokens in e2e_decode.py), and the slot capacity follows that width
+(three slots under the 4,096-token split cap), so a batch of short requests launches EMPTY
+programs and the merge; what does that cost against a table of the requests' own width, and
+against one slot on the wide table? Host clock and the kernels' GPU time (a trace of 20 calls).
 """
 
 from __future__ import annotations
@@ -51,6 +56,8 @@ import contextlib
 import functools
 import json
 import sys
+
+E2E_TABLE_PAGES = 515  # e2e_decode.py's engine: max context 8,192 + 30 steps + 16, in pages of 16
 
 
 @contextlib.contextmanager
@@ -274,7 +281,8 @@ def main(argv=None):
               "timeline": ((1, 32768), (8, 8192), (32, 4096), (128, 1024)),
               "launches": ((1, 1024), (1, 4096)),
               "sync": ((1, 32768), (8, 8192), (32, 4096)),
-              "plan_configs": ()}[question]
+              "plan_configs": (),
+              "table_width": ((128, 512), (64, 512), (32, 512), (128, 2048), (32, 2048), (8, 2048), (1, 2048))}[question]
     cases = {"plans": list(bench_cases.CASES), "plan_configs": [c for c in bench_cases.CASES if c.name.startswith(
         ("B8_", "B32_", "B64_", "ragged", "d64"))]}.get(question, [])
     for batch, length, *rest in shapes:
@@ -345,6 +353,18 @@ def main(argv=None):
                     out[key] = summary | {"median_us": float(np.median(samples)), "min_us": float(np.min(samples)), "samples_us": samples}
                     print(key, f"{out[key]['median_us']:.1f} us; GPU busy {summary['busy_us_per_step']:.1f} idle "
                           f"{summary['idle_us_per_step']:.1f} per call; gaps {summary['gaps_us']}", flush=True)
+            save()
+            continue
+        elif question == "table_width":
+            wide = jnp.pad(table, ((0, 0), (0, E2E_TABLE_PAGES - table.shape[1])))
+            for name, (width_table, options) in {"exact_width": (table, {}), "e2e_width": (wide, {}),
+                                                 "e2e_width/one_slot": (wide, dict(num_splits=1))}.items():
+                fn = jax.jit(functools.partial(decodejax.decode_attention, backend="pallas_triton", **options))
+                stats = summarize(time_jax(fn, q, k, v, width_table, lens), bench_cases.kv_bytes(case))
+                stats["profile"] = _device_activity(fn, q, k, v, width_table, lens)
+                out[f"{case.name}/{name}"] = stats
+                print(f"{case.name} {name} {stats['median_us']:.1f} us (GPU {stats['profile']['device_us_per_step']:.1f})",
+                      json.dumps(stats["profile"]["top"][:3]), flush=True)
             save()
             continue
         elif question == "bottleneck":
