@@ -1,7 +1,7 @@
 """decodejax: exact, fast paged decode attention and a decode runtime for JAX."""
 
 from decodejax import addressing, dispatch, planning, reference, split_state
-from decodejax._ops import append_attention, decode_attention, gather_pages, merge_states, rms_norm
+from decodejax._ops import append_attention, decode_attention, gather_pages, merge_states
 from decodejax.addressing import AddressingError, KVLayout
 from decodejax.dispatch import backends, explain, select
 from decodejax.engine import Engine, EngineConfig, RequestError
@@ -31,7 +31,6 @@ __all__ = [
     "merge_states",
     "planning",
     "reference",
-    "rms_norm",
     "select",
     "split_state",
 ]

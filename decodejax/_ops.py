@@ -51,7 +51,7 @@ def _check_table_values(page_table, seq_lens, cache_batch_idx, *, page_size, num
 
 
 def _operation_key(operation, dtype, *, kv_len, heads, head_dim, layout, page_size, backend) -> dispatch.DispatchKey:
-    """The dispatch key of a non-attention op (merge_states, gather_pages, rms_norm) on this platform."""
+    """The dispatch key of a non-attention op (merge_states, gather_pages) on this platform."""
     dtype = str(jnp.dtype(dtype))
     return dispatch.DispatchKey(
         *dispatch.DispatchKey.environment(), operation=operation, phase="decode", q_dtype=dtype, kv_dtype=dtype,
@@ -344,40 +344,6 @@ def _merge_pallas(o, lse, *, interpret):
     return merge_kernel.merge_states(o, lse, out_dtype=o.dtype, interpret=interpret)
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, *, eps: float, residual: jax.Array | None = None, backend: str = "auto"):
-    """RMSNorm over the last axis times weight, optionally after adding a residual, in one kernel.
-
-    Args:
-      x: [..., D].
-      weight: [D], x's dtype.
-      eps: added to the mean of squares.
-      residual: [..., D] like x, or None.
-      backend: "auto" or one of `backends()`.
-
-    Returns:
-      normed [..., D]; with a residual, (normed, x + residual), the sum rounded to x.dtype and
-      normalized as rounded (`decodejax.reference.rms_norm` is the definition).
-    """
-    if x.ndim < 1 or weight.shape != x.shape[-1:]:
-        raise ValueError(f"weight must be [D] = {x.shape[-1:]} for x {x.shape}; got weight {weight.shape}")
-    if weight.dtype != x.dtype:
-        raise ValueError(f"weight dtype {weight.dtype} != x dtype {x.dtype}")
-    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
-        raise ValueError(f"residual must match x {x.shape} {x.dtype}; got {residual.shape} {residual.dtype}")
-    D = x.shape[-1]
-    key = _operation_key("rms_norm", x.dtype, kv_len=1, heads=1, head_dim=D, layout=KVLayout.CONTIGUOUS_NHD,
-                         page_size=None, backend=backend)
-    return dispatch.backend(dispatch.select(key).backend).run("rms_norm", x, weight, residual, eps=float(eps))
-
-
-def _rms_norm_pallas(x, weight, residual, *, eps, interpret):
-    from pallas_kernels import rms_norm as norm_kernel
-
-    rows = lambda t: t.reshape(-1, t.shape[-1])  # noqa: E731
-    out = norm_kernel.rms_norm(rows(x), weight, None if residual is None else rows(residual), eps=eps, interpret=interpret)
-    return out.reshape(x.shape) if residual is None else tuple(t.reshape(x.shape) for t in out)
-
-
 def gather_pages(
     pages: jax.Array,
     page_table: jax.Array,  # i32[B_c, W]
@@ -414,13 +380,12 @@ def _gather_pallas(pages, page_table, seq_lens, *, layout, cache_batch_idx, max_
 # Each backend's implementation of each operation (`dispatch.Backend.run` looks them up here).
 IMPLEMENTATIONS = {
     "xla": {"attention": _attention_xla, "append_attention": _append_xla, "merge_states": _merge_xla,
-            "gather_pages": reference.gather_pages, "rms_norm": reference.rms_norm},
+            "gather_pages": reference.gather_pages},
     "pallas_triton": {
         "attention": functools.partial(_attention_pallas, interpret=False),
         "append_attention": functools.partial(_append_pallas, interpret=False),
         "merge_states": functools.partial(_merge_pallas, interpret=False),
         "gather_pages": functools.partial(_gather_pallas, interpret=False),
-        "rms_norm": functools.partial(_rms_norm_pallas, interpret=False),
     },
     "pallas_mosaic_gpu": {"attention": functools.partial(_attention_pallas, interpret=False, mosaic=True)},
     "pallas_mosaic_gpu_interpret": {"attention": functools.partial(_attention_pallas, interpret=True, mosaic=True)},
@@ -429,6 +394,5 @@ IMPLEMENTATIONS = {
         "append_attention": functools.partial(_append_pallas, interpret=True),
         "merge_states": functools.partial(_merge_pallas, interpret=True),
         "gather_pages": functools.partial(_gather_pallas, interpret=True),
-        "rms_norm": functools.partial(_rms_norm_pallas, interpret=True),
     },
 }

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from decodejax.addressing import KVLayout
 
 PHASES = ("decode", "append", "prefill")
-OPERATIONS = ("attention", "merge_states", "gather_pages", "rms_norm")
+OPERATIONS = ("attention", "merge_states", "gather_pages")
 MASK_KINDS = ("causal", "dense_custom")
 
 
@@ -194,7 +194,7 @@ def _operand_reasons(key: DispatchKey) -> list[str]:
 
 def _pallas_decode_reasons(key: DispatchKey, *, need_gpu: bool) -> list[str]:
     r = []
-    if key.operation in ("merge_states", "rms_norm") and key.head_dim_v & (key.head_dim_v - 1):
+    if key.operation == "merge_states" and key.head_dim_v & (key.head_dim_v - 1):
         r.append(f"head_dim_vo={key.head_dim_v} is not a power of two")
     if key.operation == "attention":
         if key.phase == "decode" and key.q_len != 1:

@@ -251,6 +251,10 @@ def choose_num_splits(batch: int, kv_heads: int, num_kv_blocks: int, num_sms: in
 # ran 14% behind fixed 1,024-token splits (benchmarks/README.md).
 MAX_SPLIT_TOKENS = 4096
 
+# Decode programs resident per SM at head_dim 128 (the Triton kernel's 74 KB of shared memory and
+# 168 registers per thread allow three; benchmarks/results/hopper_compile_cpu.json).
+PROGRAMS_PER_SM = 3
+
 
 def decode_split_capacity(
     batch: int,
@@ -271,10 +275,20 @@ def decode_split_capacity(
     H200 at B 32, T 4096 one slot ran 135.5 us against 142.1 us for two, one of them EMPTY.
     The price: a short batch whose total would ask for more splits than the slots hold (one
     long request among short ones, say) runs them in S splits.
+
+    A batch whose own programs fill every program slot of the GPU (the Triton kernel holds
+    three per SM at D 128) gets no slots for the split cap: the cap balances a ragged batch
+    whose longest requests would otherwise run alone at its end, but a table as wide as a
+    server's longest context made every short batch pay EMPTY programs and the merge for it
+    (H200, B 128 of 512-token requests in a 8,238-token table: 89.5 us of GPU time in three
+    slots against 71.0 in one, `results/probe_table_width.json`). The price: one long request
+    among many short ones at such a batch runs in one split.
     """
     blocks = -(-max_len // block_k)
     target = decode_target_splits(kv_heads, num_sms, head_dim)
-    return int(_adaptive_count(np, blocks, batch * blocks, max_splits, target, split_cap_blocks(block_k)))
+    fills_gpu = batch * kv_heads >= PROGRAMS_PER_SM * num_sms * 128 // head_dim
+    cap = None if fills_gpu else split_cap_blocks(block_k)
+    return int(_adaptive_count(np, blocks, batch * blocks, max_splits, target, cap))
 
 
 def split_cap_blocks(block_k: int) -> int:

@@ -85,19 +85,6 @@ def decode(q, k, v, kv_lens, **options):
     return o[:, 0], lse[:, 0]
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, residual: jax.Array | None = None, *, eps: float):
-    """x [..., D] (+ residual [..., D]) -> weight [D] * RMSNorm, in x.dtype; (normed, sum) with a residual.
-
-    The sum is rounded to x.dtype before it is normalized, and the final product is of two
-    x.dtype factors (the Llama convention of Hugging Face transformers).
-    """
-    total = x if residual is None else x + residual
-    t32 = total.astype(jnp.float32)
-    scaled = (t32 * jax.lax.rsqrt(jnp.mean(t32 * t32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
-    normed = (weight * scaled).astype(x.dtype)
-    return normed if residual is None else (normed, total)
-
-
 def gather_pages(
     pages: jax.Array,  # [num_pages, P, H_kv, D] (PAGED_NHD) or [num_pages, H_kv, P, D] (PAGED_HND)
     page_table: jax.Array,  # i32[B_c, max_pages]

@@ -120,9 +120,10 @@ class RMSNorm(nnx.Module):
         self.weight = nnx.Param(jnp.ones((dim,), dtype))
         self.eps = eps
 
-    def __call__(self, x, residual=None):
-        """normed x; with a residual, (normed x + residual, x + residual): one kernel (decodejax.rms_norm)."""
-        return decodejax.rms_norm(x, self.weight[...], eps=self.eps, residual=residual)
+    def __call__(self, x):
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (self.weight[...] * x32.astype(x.dtype)).astype(x.dtype)
 
 
 def _dense(rngs: nnx.Rngs, n_in: int, n_out: int, dtype) -> nnx.Param:
@@ -182,15 +183,12 @@ class DecoderLayer(nnx.Module):
         self.w_gate_up = _dense(rngs, c.hidden_size, 2 * c.intermediate_size, dtype)  # [gate | up]: one matmul
         self.w_down = _dense(rngs, c.intermediate_size, c.hidden_size, dtype)
 
-    def __call__(self, x, pending, pool, ctx, inv_freq):
-        """The residual stream entering the layer is x + pending (pending: the previous layer's
-        MLP output, None at layer 0); each residual add runs in the kernel of the norm after it.
-        Returns (x, pending, pool) for the next layer."""
-        y, x = (self.input_norm(x), x) if pending is None else self.input_norm(pending, residual=x)
-        h, pool = self.attn(y, pool, ctx, inv_freq)
-        y, x = self.post_attn_norm(h, residual=x)
+    def __call__(self, x, pool, ctx, inv_freq):
+        h, pool = self.attn(self.input_norm(x), pool, ctx, inv_freq)
+        x = x + h
+        y = self.post_attn_norm(x)
         gate, up = jnp.split(y @ self.w_gate_up[...], 2, axis=-1)
-        return x, (jax.nn.silu(gate) * up) @ self.w_down[...], pool
+        return x + (jax.nn.silu(gate) * up) @ self.w_down[...], pool
 
 
 class Llama(nnx.Module):
@@ -215,10 +213,10 @@ class Llama(nnx.Module):
         return functional(self)
 
     def __call__(self, pool: KVPool, ctx: ForwardContext):
-        x, pending = self.embed[...][ctx.window_ids], None
+        x = self.embed[...][ctx.window_ids]
         for layer in self.layers:
-            x, pending, pool = layer(x, pending, pool, ctx, self.inv_freq[...])
-        x = self.norm(pending, residual=x)[0]
+            x, pool = layer(x, pool, ctx, self.inv_freq[...])
+        x = self.norm(x)
         head = self.embed[...].T if self.config.tie_word_embeddings else self.lm_head[...]
         return (x @ head).astype(jnp.float32), pool
 

@@ -148,6 +148,15 @@ def test_auto_split_counts_match_the_h200_measurements():
     assert planning.decode_split_capacity(32, 8, 16384, 128, 132) == 16384 // planning.MAX_SPLIT_TOKENS  # room for the cap
 
 
+def test_a_batch_that_fills_the_gpu_gets_no_slots_for_the_split_cap():
+    """An engine's tables are as wide as its longest context (8,238 tokens in e2e_decode.py). At
+    B 64 and 128 the batch's own programs fill the GPU (3 per SM), so the capacity is one slot
+    (one launch, no EMPTY programs); at B 32 the cap's slots stay for ragged batches."""
+    cap_slots = -(-8238 // planning.MAX_SPLIT_TOKENS)
+    assert [planning.decode_split_capacity(b, 8, 8238, 128, 132) for b in (32, 49, 50, 64, 128)] == [cap_slots, cap_slots, 1, 1, 1]
+    assert planning.decode_split_capacity(64, 8, 8238, 128, 132, head_dim=64) == cap_slots  # D 64: 6 programs per SM
+
+
 def test_auto_plan_caps_its_splits_at_max_split_tokens():
     """The ragged shape (B 32, 16,384-token tables): a 16,384-token request beside 8,192-token
     ones. The batch's total alone would cut ~8k-token splits (the total over the split target);
