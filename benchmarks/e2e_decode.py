@@ -24,6 +24,10 @@ Each shape also replays its compiled step back to back (`replay_ms`): the device
 time, whose gap to ms per step is the engine's host work between steps. Each step's time in
 the runner's submit (pack and dispatch) and fetch (the wait for its tokens) is kept beside it.
 
+The requests decode greedily. With `--top-p P` they sample (temperature 1, nucleus P, seeded):
+each step then also dispatches the runner's sorting `resample_step`, which the replay leaves
+out.
+
 `--profile-steps N` traces N more steps per shape with jax.profiler and records the GPU time
 per step by kernel name (benchmarks.profile_summary): what the step's time goes to.
 
@@ -77,12 +81,14 @@ def fill_pool_with_noise(engine, seed: int = 0) -> None:
     engine.runner.rebind_pool(KVPool(k=tuple(k), v=tuple(v)))
 
 
-def seat_prefilled(engine, batch: int, context: int, max_new_tokens: int, rng) -> list:
-    """`batch` running requests whose first `context` tokens are cached and one token sampled."""
+def seat_prefilled(engine, batch: int, context: int, max_new_tokens: int, rng, top_p: float | None = None) -> list:
+    """`batch` running requests whose first `context` tokens are cached and one token sampled;
+    greedy, or nucleus sampling with top_p."""
     from decodejax.engine import Request
     from decodejax.sampling import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, ignore_eos=True)
+    sampling = dict(temperature=0.0) if top_p is None else dict(top_p=top_p, seed=int(rng.integers(2**31)))
+    params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True, **sampling)
     vocab = engine.vocab_size
     seated = []
     for _ in range(batch):
@@ -130,9 +136,9 @@ def timed_steps(engine, batch: int, steps: int) -> dict:
     return {"step": times, "submit": parts["submit"][:-1], "fetch": parts["fetch"][:-1]}
 
 
-def measure(engine, batch: int, context: int, steps: int, warmup: int, rng, profile_steps: int = 0) -> dict:
+def measure(engine, batch: int, context: int, steps: int, warmup: int, rng, profile_steps: int = 0, top_p: float | None = None) -> dict:
     free_before = engine.allocator.num_free
-    seated = seat_prefilled(engine, batch, context, warmup + steps + profile_steps + 4, rng)  # running after the last step and both drains
+    seated = seat_prefilled(engine, batch, context, warmup + steps + profile_steps + 4, rng, top_p)  # running after the last step and both drains
     for _ in range(warmup):
         engine.step()
     timed = timed_steps(engine, batch, steps)
@@ -261,6 +267,7 @@ def main(argv=None):
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--pool-tokens", type=int, default=None, help="pool capacity in tokens (default: the largest batch x context that fits)")
+    parser.add_argument("--top-p", type=float, default=None, help="nucleus sampling instead of greedy (adds the resample step)")
     parser.add_argument("--profile-steps", type=int, default=0, help="also trace this many steps per shape and sum GPU time by kernel")
     parser.add_argument("--startup", action="store_true", help="also measure the capture time of fresh processes, cold then warm")
     parser.add_argument("--startup-only", action="store_true", help="measure only that")
@@ -319,7 +326,7 @@ def measure_all(args, batches: list[int], contexts: list[int]) -> dict:
     result = {"machine": {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "python": platform.python_version()},
               "model": args.model, "dtype": args.dtype, "pool_tokens": pool_tokens, "model_build_s": build_s,
               "capture_s": engine.capture_seconds, "compiled_memory": engine.runner.compiled_memory(), "steps": args.steps,
-              "warmup": args.warmup, "rows": rows}
+              "warmup": args.warmup, "sampling": "greedy" if args.top_p is None else {"top_p": args.top_p}, "rows": rows}
     print("compiled memory per bucket", result["compiled_memory"], flush=True)
     for context in contexts:
         for batch in batches:
@@ -328,7 +335,7 @@ def measure_all(args, batches: list[int], contexts: list[int]) -> dict:
                 rows.append({"batch": batch, "context": context, "skipped": f"{need} pages needed, the pool holds {engine.allocator.num_free}"})
                 print(f"B={batch:4d} T={context:5d}  skipped: {rows[-1]['skipped']}", flush=True)
                 continue
-            r = measure(engine, batch, context, args.steps, args.warmup, rng, args.profile_steps)
+            r = measure(engine, batch, context, args.steps, args.warmup, rng, args.profile_steps, args.top_p)
             wbytes, kvbytes = weight_bytes_read(model, batch), kv_bytes_read(model.config, batch, context, dbytes)
             roof_ms = (wbytes + kvbytes) / DATASHEET_BPS * 1e3
             r.update(weight_bytes_read=wbytes, kv_bytes_read=kvbytes, roofline_ms=roof_ms, roofline_fraction=roof_ms / r["step_ms_median"])

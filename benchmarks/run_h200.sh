@@ -10,6 +10,7 @@
 #   models    append-attention GPU tests, then the model parity and engine tests with the GPU kernels in the loop
 #   kernel    FlashInfer (own process), then decodejax and the JAX peers -> fi.json, decode_attention.json
 #   e2e       llama3-8b engine decode, with a GPU-time profile per shape -> e2e_decode.json
+#   e2e_top_p the same with nucleus sampling (the steps add the sorting resample) -> e2e_decode_top_p.json
 #   peer      transformers generate on the e2e shapes (own process) -> hf.json
 #   startup   capture time of fresh processes, cold then warm cache -> e2e_startup.json
 # FlashInfer needs its wheels (../shared/tools/fetch_peer_wheels.sh): in .whl, or, since the
@@ -47,6 +48,9 @@ for stage in "$@"; do
     e2e)
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 python3 -m benchmarks.e2e_decode --pool-tokens "$E2E_POOL_TOKENS" \
         --context 2048,512,8192 --profile-steps 3 --out "$OUT/e2e_decode.json" ;;
+    e2e_top_p)
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 python3 -m benchmarks.e2e_decode --pool-tokens "$E2E_POOL_TOKENS" \
+        --context 2048 --top-p 0.9 --profile-steps 3 --out "$OUT/e2e_decode_top_p.json" ;;
     peer)
       python3 -m benchmarks.peers.hf_generate --context 2048,512,8192 --steps 10 --deadline-s "${PEER_DEADLINE_S:-400}" \
         --out "$OUT/hf.json"

@@ -33,3 +33,18 @@ def test_e2e_benchmark_runs_on_a_tiny_model(tmp_path):
     assert all(len(r["replay_ms_samples"]) == 10 and r["replay_ms_median"] > 0 for r in rows)
     # One traced engine step dispatches two decode steps (the engine keeps one in flight).
     assert all(r["profile"]["steps"] == 2 and r["profile"]["wall_ms_per_step_traced"] > 0 for r in rows)
+
+
+def test_e2e_benchmark_samples_with_top_p_when_asked(tmp_path):
+    """`--top-p`: the seated requests sample (the steps add the sorting resample executable)."""
+    import json
+    import os
+
+    out = tmp_path / "e2e.json"
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    run = subprocess.run([sys.executable, "-m", "benchmarks.e2e_decode", "--model", "tiny", "--batch", "3", "--context", "24",
+                          "--steps", "3", "--top-p", "0.9", "--dtype", "float32", "--out", str(out)], capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["sampling"] == {"top_p": 0.9}
+    assert [len(r["step_ms_samples"]) for r in result["rows"]] == [3]
