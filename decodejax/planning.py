@@ -281,8 +281,8 @@ def decode_split_capacity(
     whose longest requests would otherwise run alone at its end, but a table as wide as a
     server's longest context made every short batch pay EMPTY programs and the merge for it
     (H200, B 128 of 512-token requests in an 8,238-token table: 89.5 us of GPU time in three
-    slots against 71.0 in one, benchmarks/results/probe_table_width.json). The price: one long request
-    among many short ones at such a batch runs in one split.
+    slots against 71.0 in one, benchmarks/results/probe_table_width.json). The price: one
+    long request among many short ones at such a batch runs in one split.
     """
     blocks = -(-max_len // block_k)
     target = decode_target_splits(kv_heads, num_sms, head_dim)
