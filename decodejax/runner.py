@@ -347,6 +347,9 @@ class DecodeRunner:
         actual = len(rows)
         if actual == 0:
             raise ValueError("a decode step needs at least one row")
+        bad_slots = [row.slot for row in rows if not 0 <= row.slot < len(self._sorting_slots)]
+        if bad_slots:
+            raise ValueError(f"request slots {bad_slots} outside [0, max_requests={len(self._sorting_slots)})")
         bs = self.bucket_for(actual)
         packed = pack_decode_batch(rows, bs=bs, router=self.router, window=self.config.window, vocab_size=self.vocab_size,
                                    max_rows=self.config.max_decode_bs)

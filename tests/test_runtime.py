@@ -244,6 +244,15 @@ def test_F1_bad_batches_are_rejected_before_any_write(match, rows):
         pack_decode_batch(rows, bs=4, router=ROUTER, window=1, vocab_size=CFG.vocab_size)
 
 
+@pytest.mark.parametrize("slot", [-1, 32])
+def test_F1_a_slot_outside_the_sampling_pool_is_rejected_before_any_write(slot):
+    runner = make_runner(RunnerConfig(max_decode_bs=12, max_capture_bs=8, enforce_eager=True))  # max_requests 32
+    pool, buffers = runner.pool, runner.buffers
+    with pytest.raises(ValueError, match=rf"request slots \[{slot}\] outside \[0, max_requests=32\)"):
+        runner.submit([DecodeRow(1, 3, (1,), {"main": [1]}), DecodeRow(slot, 3, (1,), {"main": [2]})])
+    assert runner.pool is pool and runner.buffers is buffers
+
+
 def test_a_row_reading_its_token_on_the_device_matches_the_host_upload(rng):
     """token_from_row: the next step takes the token the previous step sampled in that row, with
     no host round trip; the result equals uploading that token from the host."""
