@@ -22,6 +22,7 @@ again with the sort and overwrites the step's output before it is copied back.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import sys
@@ -347,22 +348,22 @@ class DecodeRunner:
         actual = len(rows)
         if actual == 0:
             raise ValueError("a decode step needs at least one row")
-        bad_slots = [row.slot for row in rows if not 0 <= row.slot < len(self._sorting_slots)]
+        slots = [row.slot for row in rows]
+        bad_slots = [slot for slot in slots if not 0 <= slot < len(self._sorting_slots)]
         if bad_slots:
             raise ValueError(f"request slots {bad_slots} outside [0, max_requests={len(self._sorting_slots)})")
         bs = self.bucket_for(actual)
         packed = pack_decode_batch(rows, bs=bs, router=self.router, window=self.config.window, vocab_size=self.vocab_size,
                                    max_rows=self.config.max_decode_bs)
-        sort = bool(self._sorting_slots[[row.slot for row in rows]].any())
         if self.config.enforce_eager:
-            self.pool, self.buffers, sampled, logits = decode_step(self.param_leaves, self.pool, self.buffers, self.sampling, jnp.asarray(packed), **self._statics(bs))
-            if sort:
-                self.buffers, sampled = resample_step(self.buffers, self.sampling, logits, bs=bs)
+            step, resample = functools.partial(decode_step, **self._statics(bs)), functools.partial(resample_step, bs=bs)
+            packed = jnp.asarray(packed)
         else:
             step, resample = self.executable(bs)
-            self.pool, self.buffers, sampled, logits = step(self.param_leaves, self.pool, self.buffers, self.sampling, packed)
-            if sort:
-                self.buffers, sampled = resample(self.buffers, self.sampling, logits)
+        self.pool, self.buffers, sampled, logits = step(self.param_leaves, self.pool, self.buffers, self.sampling, packed)
+        if self._sorting_slots[slots].any():
+            self.buffers, sampled = resample(self.buffers, self.sampling, logits)
+        if not self.config.enforce_eager:
             self.guard.check({"pool": self.pool, "buffers": self.buffers})
         sampled.copy_to_host_async()
         return PendingStep(actual, sampled)

@@ -17,17 +17,22 @@ def test_readme_main_job_generates():
     assert out.stdout.startswith("The decode phase") and "8 tokens in" in out.stdout and "tokens/s" in out.stdout
 
 
-def test_e2e_benchmark_runs_on_a_tiny_model(tmp_path):
-    """The end-to-end benchmark script, on CPU with the tiny preset (its GPU run is separate)."""
+def run_e2e_benchmark(tmp_path, *args) -> dict:
+    """The end-to-end benchmark script on the tiny preset (float32, CPU) with `args`; its JSON."""
     import json
     import os
 
     out = tmp_path / "e2e.json"
     env = dict(os.environ, PYTHONPATH=os.getcwd())
-    run = subprocess.run([sys.executable, "-m", "benchmarks.e2e_decode", "--model", "tiny", "--batch", "1,3", "--context", "24",
-                          "--steps", "4", "--profile-steps", "1", "--dtype", "float32", "--out", str(out)], capture_output=True, text=True, timeout=300, env=env)
+    run = subprocess.run([sys.executable, "-m", "benchmarks.e2e_decode", "--model", "tiny", "--context", "24", "--dtype", "float32",
+                          "--out", str(out), *args], capture_output=True, text=True, timeout=300, env=env)
     assert run.returncode == 0, run.stderr[-2000:]
-    rows = json.loads(out.read_text())["rows"]
+    return json.loads(out.read_text())
+
+
+def test_e2e_benchmark_runs_on_a_tiny_model(tmp_path):
+    """The end-to-end benchmark script, on CPU with the tiny preset (its GPU run is separate)."""
+    rows = run_e2e_benchmark(tmp_path, "--batch", "1,3", "--steps", "4", "--profile-steps", "1")["rows"]
     assert [(r["batch"], r["context"]) for r in rows] == [(1, 24), (3, 24)]
     assert all(len(r["step_ms_samples"]) == 4 and r["tokens_per_s"] > 0 and 0 < r["roofline_fraction"] for r in rows)
     assert all(len(r["replay_ms_samples"]) == 10 and r["replay_ms_median"] > 0 for r in rows)
@@ -37,14 +42,6 @@ def test_e2e_benchmark_runs_on_a_tiny_model(tmp_path):
 
 def test_e2e_benchmark_samples_with_top_p_when_asked(tmp_path):
     """`--top-p`: the seated requests sample (the steps add the sorting resample executable)."""
-    import json
-    import os
-
-    out = tmp_path / "e2e.json"
-    env = dict(os.environ, PYTHONPATH=os.getcwd())
-    run = subprocess.run([sys.executable, "-m", "benchmarks.e2e_decode", "--model", "tiny", "--batch", "3", "--context", "24",
-                          "--steps", "3", "--top-p", "0.9", "--dtype", "float32", "--out", str(out)], capture_output=True, text=True, timeout=300, env=env)
-    assert run.returncode == 0, run.stderr[-2000:]
-    result = json.loads(out.read_text())
+    result = run_e2e_benchmark(tmp_path, "--batch", "3", "--steps", "3", "--top-p", "0.9")
     assert result["sampling"] == {"top_p": 0.9}
     assert [len(r["step_ms_samples"]) for r in result["rows"]] == [3]
