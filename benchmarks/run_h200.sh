@@ -13,6 +13,7 @@
 #   e2e_top_p the same with nucleus sampling (the steps add the sorting resample) -> e2e_decode_top_p.json
 #   peer      transformers generate on the e2e shapes (own process) -> hf.json
 #   startup   capture time of fresh processes, cold then warm cache -> e2e_startup.json
+#   ncu       Nsight Compute counters of the Triton and Mosaic kernels on NCU_CASES -> ncu/*.ncu-rep, ncu_decode.json
 # FlashInfer needs its wheels (../shared/tools/fetch_peer_wheels.sh): in .whl, or, since the
 # FlashInfer wheel alone nearly fills a device call's 64 MiB, unzipped and packed as
 # .whl_fi/fi_site.tar.xz (flashinfer_python + apache_tvm_ffi, 19 MB) beside the other wheels it
@@ -59,6 +60,25 @@ for stage in "$@"; do
       fi ;;
     startup)
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 python3 -m benchmarks.e2e_decode --startup-only --out "$OUT/e2e_startup.json" ;;
+    ncu)
+      mkdir -p "$OUT/ncu"
+      export NCU=${NCU:-$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)}
+      sections=(--section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats
+                --section WarpStateStats --section SchedulerStats)  # ~10 replay passes; --set full's 38 took 100+ s a case
+      for case in ${NCU_CASES:-B32_T4096 B128_T1024 B1_T32768 d64_B32_T4096}; do
+        for backend in pallas_triton pallas_mosaic_gpu; do
+          report="$OUT/ncu/$case.$backend"
+          if [ ! -f "$report.ncu-rep" ]; then  # a report already in $OUT/ncu (an earlier call's) is kept
+            timeout 200 "$NCU" --clock-control none -k regex:decodejax --launch-skip 2 --launch-count 2 "${sections[@]}" -f \
+              -o "$report" python3 -m benchmarks.ncu_decode run "$case" "$backend" > "$report.log" 2>&1 \
+              || { echo "ncu $case $backend failed:"; tail -n 5 "$report.log"; continue; }
+          fi
+          { "$NCU" --import "$report.ncu-rep" --csv --page details > "$report.details.csv" &&
+            "$NCU" --import "$report.ncu-rep" --csv --page raw > "$report.raw.csv"; } \
+            || { echo "ncu could not read $report.ncu-rep"; rm -f "$report.details.csv"; }
+        done
+      done
+      python3 -m benchmarks.ncu_decode summarize "$OUT/ncu_decode.json" $(ls "$OUT"/ncu/*.details.csv | sed 's/.details.csv$//') ;;
     *)
       echo "unknown stage $stage" >&2; exit 2 ;;
   esac

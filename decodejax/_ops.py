@@ -220,7 +220,8 @@ def _attention_pallas(q, k_pages, v_pages, page_table, seq_lens, *, layout, cach
     if mosaic:  # the Mosaic path keeps clear of Triton: XLA builds its bounds and fuses the (small) merge
         start, end = plan.bounds(seq_lens)
         rows = jnp.arange(B, dtype=jnp.int32) if cache_rows is None else cache_rows
-        part_o, part_lse = kernel.paged_decode_partials(q, k_pages, v_pages, page_table, seq_lens, rows, start, end, **options)
+        part_o, part_lse = kernel.paged_decode_partials(q, k_pages, v_pages, page_table, seq_lens, rows, start, end,
+                                                        num_sms=_num_sms(), **options)
     elif return_partial_states:
         part_o, part_lse = kernel.paged_decode(q, k_pages, v_pages, page_table, seq_lens, cache_rows, plan=plan,
                                                partial_states=True, **options)

@@ -1,19 +1,25 @@
 """Paged split-KV decode attention on Hopper (Pallas, Mosaic GPU lowering): the producer kernel.
 
 The partial-state contract of the Triton producer (`pallas_kernels.decode_attention`,
-`paged_decode(..., partial_states=True)`): one program owns (request b, K/V head h, split slot
-s), streams the split's key range [start, end) and writes the split's normalized partial state
+`paged_decode(..., partial_states=True)`): each work item (request b, K/V head h, split slot s)
+streams the split's key range [start, end) and writes the split's normalized partial state
 (o, lse) in float32, EMPTY as (0, -inf). It takes the bounds as i32[B, S] inputs
 (`SplitPlan.bounds`) where the Triton kernel computes its own, and it moves data differently:
 
+- The kernel is persistent. One program fills an SM's shared memory and registers, so a program
+  per work item would leave every SM idle while each program's first copies are in flight and
+  its output is written (Nsight Compute on the H200: 1 program per SM, 3.5 TB/s at B 128 against
+  the Triton kernel's 2 programs per SM and 4.0 TB/s; benchmarks/results/ncu_decode.json). So
+  `programs` programs (one per SM) each take every programs-th work item, and their producer
+  treats the items' blocks as one stream: the next item's copies start while the current
+  item's last blocks are computed and its output written.
 - Warpgroups specialize. A producer warpgroup copies K and V by TMA, one copy per page of a
   block of `block_k` tokens, into a ring of `num_stages` shared-memory slots (one barrier per
   slot counts the block's copies) and refills a slot's K, then its V, as soon as the compute
   warpgroup that owns the slot has read them. `compute_warpgroups` warpgroups take turns at the
-  blocks, each with its own running state; at the end the others hand their states to the first
-  through shared memory, which merges them in warpgroup order and writes the split's output.
-- The output tiles alias the ring: once every compute warpgroup is past its last block, every
-  issued copy has landed and been read, so the ring is free.
+  blocks, each with its own running state; at an item's end the others hand their states to
+  the first through shared memory, which merges them in warpgroup order and writes the split's
+  output through the same tile. The query tile is double-buffered where shared memory allows.
 - Scores and the weighted sum are warpgroup MMAs (wgmma). wgmma's M is 64, so the G query rows
   of a K/V head ride in a 64-row operand: the wrapper pads them to `QUERY_ROWS` (a TMA tile of
   8 rows) and rows past 8 hold whatever shared memory held. Rows never mix in a matrix
@@ -61,32 +67,49 @@ class MosaicDecodeConfig:
       num_stages: shared-memory slots of the K/V ring (blocks in flight, >= 2); a multiple of
         compute_warpgroups, so each slot always feeds the same warpgroup.
       compute_warpgroups: 1 to 3 warpgroups taking turns at the blocks (one more issues copies).
+      programs: programs launched, each walking every programs-th work item; None: one per SM
+        (one program fills an SM's shared memory), or INTERPRET_PROGRAMS in interpret mode.
     """
 
     block_k: int = 64
     num_stages: int = 4
     compute_warpgroups: int = 2
+    programs: int | None = None
 
-    def shared_memory_bytes(self, head_dim: int, itemsize: int) -> int:
-        """q, then the K/V ring and the hand-off and output tiles, which alias it."""
+    def _bytes(self, head_dim: int, itemsize: int, q_buffers: int) -> int:
+        q = q_buffers * WGMMA_ROWS * head_dim * itemsize
         ring = 2 * self.num_stages * self.block_k * head_dim * itemsize
         handoffs = max(1, self.compute_warpgroups - 1)
-        output = handoffs * (WGMMA_ROWS * head_dim * 4 + 2 * WGMMA_ROWS * 4) + WGMMA_ROWS * 4
-        return WGMMA_ROWS * head_dim * itemsize + max(ring, output)
+        states = handoffs * (WGMMA_ROWS * head_dim * 4 + 2 * WGMMA_ROWS * 4)  # o, then m and l (lse reuses m's first)
+        return q + ring + states
+
+    def q_buffers(self, head_dim: int, itemsize: int) -> int:
+        """Two query tiles (the next item's lands during the current one) when they fit, else one."""
+        return 2 if self._bytes(head_dim, itemsize, 2) <= SHARED_MEMORY_BUDGET else 1
+
+    def shared_memory_bytes(self, head_dim: int, itemsize: int) -> int:
+        """The query tiles, the K/V ring, and the states handed to warpgroup 0 (its output's tile)."""
+        return self._bytes(head_dim, itemsize, self.q_buffers(head_dim, itemsize))
 
 
 # Shared memory a block may use on the H100/H200 (227 KiB), less Mosaic GPU's own scratch
 # (CompilerParams.reduction_scratch_bytes, 2 KiB) and barriers.
 SHARED_MEMORY_BUDGET = 227 * 1024 - 2048 - 512
+# Programs of an interpreted call: the interpreter runs them one at a time, and two of them
+# walk several work items each in the tests' small problems.
+INTERPRET_PROGRAMS = 2
 
 
 def default_config(head_dim: int) -> MosaicDecodeConfig:
-    """64-token blocks, two compute warpgroups, four ring slots (two at D = 256, for shared memory).
+    """64-token blocks, two compute warpgroups and four ring slots; at D = 256, one compute
+    warpgroup and two slots (shared memory).
 
-    On the H200 (D = 128, benchmarks/results/decode_attention_mgpu_sweep.json) six slots were
-    within 5% at B 8 to 128 and 13% slower at B 1; one compute warpgroup (three slots) was 1 to
-    13% slower."""
-    return MosaicDecodeConfig(block_k=64, num_stages=4 if head_dim <= 128 else 2, compute_warpgroups=2)
+    On the H200 (D = 128, benchmarks/results/decode_attention_mgpu_sweep.json, one program per
+    work item then) six slots were within 5% at B 8 to 128 and 13% slower at B 1; one compute
+    warpgroup (three slots) was 1 to 13% slower."""
+    if head_dim <= 128:
+        return MosaicDecodeConfig(block_k=64, num_stages=4, compute_warpgroups=2)
+    return MosaicDecodeConfig(block_k=64, num_stages=2, compute_warpgroups=1)
 
 
 def supports(page_size: int, head_dim: int, group: int, dtype, config: MosaicDecodeConfig) -> list[str]:
@@ -188,16 +211,24 @@ def _decode_body(
     end_ref,  # i32[B, S]
     o_ref,  # f32[B, H_kv, QUERY_ROWS, S, D]
     lse_ref,  # f32[B, H_kv, S, QUERY_ROWS]
-    q_smem,  # [64, D]
-    ring_then_output,  # ((K ring, V ring) [num_stages, block_k, D], then (o f32[W, 64, D], m, l f32[W, 64], lse f32[64])) aliased
-    q_barrier,
+    q_smem,  # [q_buffers, 64, D]: the query rows of the current (and next) work item
+    k_smem,  # [num_stages, block_k, D]: the K/V ring
+    v_smem,
+    o_smem,  # f32[max(1, W - 1), 64, D]: the other warpgroups' states; [0] then holds the output
+    ml_smem,  # f32[2, max(1, W - 1), 64]: their m and l; [0, 0] then holds the output's lse
+    q_barriers,  # one per q buffer: its copy has landed
+    q_free_barriers,  # one per q buffer: every compute warpgroup is done with it
     k_barriers,  # one per slot, counting the block's page copies
     v_barriers,
     k_consumed_barriers,  # one per slot: its K (V) has been read by the MMAs
     v_consumed_barriers,
-    loops_done_barrier,  # every compute warpgroup is past its last block: the ring is free
-    handoff_barrier,  # the other compute warpgroups' states are in shared memory (W = their count, >= 1)
+    handoff_barrier,  # the other compute warpgroups' states are in shared memory
+    handoff_free_barrier,  # warpgroup 0 has read them and the output copy has left o_smem
     *,
+    programs: int,
+    num_splits: int,
+    kv_heads: int,
+    num_items: int,
     page_size: int,
     layout: KVLayout,
     block_k: int,
@@ -208,66 +239,79 @@ def _decode_body(
     mask: DecodeMask,
     interpret: bool,
 ):
-    (k_smem, v_smem), (o_smem, m_smem, l_smem, lse_smem) = ring_then_output
-    b, h, s = lax.axis_index("batch"), lax.axis_index("kv_head"), lax.axis_index("split")
-    wg = lax.axis_index("wg")
+    program, wg = lax.axis_index("program"), lax.axis_index("wg")
     d = q_smem.shape[-1]
-    seq_len, c = seq_lens_ref[b], cache_idx_ref[b]
-    start, end = start_ref[b, s], end_ref[b, s]
-    q_pos = seq_len - 1
-    first_block = start // block_k
-    num_blocks = jnp.where(end > start, (end + block_k - 1) // block_k - first_block, 0)
-    last_page = jnp.maximum(end - 1, 0) // page_size
+    q_buffers = q_smem.shape[0]
     pages_per_block = max(1, block_k // page_size)
+    my_items = (num_items - program + programs - 1) // programs
 
-    def block_pages(block):
+    def work_item(k):
+        """This program's k-th work item: (request b, K/V head h, split slot s) and the split's key
+        range [start, end), its first block and block count."""
+        w = program + k * programs
+        s, h, b = lax.rem(w, num_splits), lax.rem(w // num_splits, kv_heads), w // (num_splits * kv_heads)
+        start, end = start_ref[b, s], end_ref[b, s]
+        first_block = start // block_k
+        num_blocks = jnp.where(end > start, (end + block_k - 1) // block_k - first_block, 0)
+        return b, h, s, start, end, first_block, num_blocks
+
+    def block_pages(b, end, first_block, block):
         """Page ids of a block's copies (clamped to the split's last page, so always in the table)."""
         first = (first_block + block) * block_k // page_size
+        last_page = jnp.maximum(end - 1, 0) // page_size
+        c = cache_idx_ref[b]
         return tuple(table_ref[c, jnp.minimum(first + j, last_page)] for j in range(pages_per_block))
 
-    def page_rows(ref, page, offset, rows):
+    def page_rows(ref, page, h, offset, rows):
         if layout is KVLayout.PAGED_NHD:
             return ref.at[page, pl.ds(offset, rows), h]
         return ref.at[page, h, pl.ds(offset, rows)]
 
-    def issue(block, slot, pages, ref, ring, barriers):
-        """Starts the TMA copies of block `first_block + block` of K or V into ring slot `slot`."""
+    def issue(pages, h, block_start, slot, ref, ring, barriers):
+        """Starts the TMA copies of the block of keys from block_start into ring slot `slot`."""
         rows = min(block_k, page_size)
-        offset = (first_block + block) * block_k % page_size  # 0 unless one page holds several blocks
+        offset = block_start % page_size  # 0 unless one page holds several blocks
         for j, page in enumerate(pages):
-            plgpu.copy_gmem_to_smem(page_rows(ref, page, offset, rows), ring.at[slot, pl.ds(j * rows, rows)], barriers.at[slot])
+            plgpu.copy_gmem_to_smem(page_rows(ref, page, h, offset, rows), ring.at[slot, pl.ds(j * rows, rows)], barriers.at[slot])
 
     @pl.when(wg == compute_wgs)
     def _producer():
-        """The memory warpgroup: fills the ring, refilling a slot once its block is consumed."""
-        plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem.at[pl.ds(0, QUERY_ROWS)], q_barrier)
-        for i in range(num_stages):
+        """The memory warpgroup: walks this program's work items and their blocks as one stream
+        (block g of the stream goes to ring slot g % num_stages), so the next item's copies start
+        while the compute warpgroups finish the current one."""
 
-            @pl.when(i < num_blocks)
-            def _fill(i=i):
-                pages = block_pages(i)
-                issue(i, i, pages, k_ref, k_smem, k_barriers)
-                issue(i, i, pages, v_ref, v_smem, v_barriers)
+        def item(k, g):
+            b, h, _, _, end, first_block, num_blocks = work_item(k)
+            buffer = lax.rem(k, q_buffers)
+            pl.when(k >= q_buffers)(lambda: plgpu.barrier_wait(q_free_barriers.at[buffer]))
+            plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem.at[buffer, pl.ds(0, QUERY_ROWS)], q_barriers.at[buffer])
 
-        def refill(j, pages):
-            slot = lax.rem(j, num_stages)
-            plgpu.barrier_wait(k_consumed_barriers.at[slot])  # K is read before V: refill it first
-            issue(j, slot, pages, k_ref, k_smem, k_barriers)
-            plgpu.barrier_wait(v_consumed_barriers.at[slot])
-            issue(j, slot, pages, v_ref, v_smem, v_barriers)
-            return block_pages(j + 1)  # read now, used next iteration: the table read is off the issue path
+            def block(j, g):
+                pages = block_pages(b, end, first_block, j)  # table reads under the waits below
+                slot = lax.rem(g, num_stages)
+                block_start = (first_block + j) * block_k
+                refill = g >= num_stages  # the slot held block g - num_stages: wait until it is read
+                pl.when(refill)(lambda: plgpu.barrier_wait(k_consumed_barriers.at[slot]))  # K is read before V
+                issue(pages, h, block_start, slot, k_ref, k_smem, k_barriers)
+                pl.when(refill)(lambda: plgpu.barrier_wait(v_consumed_barriers.at[slot]))
+                issue(pages, h, block_start, slot, v_ref, v_smem, v_barriers)
+                return g + 1
 
-        lax.fori_loop(num_stages, jnp.maximum(num_blocks, num_stages), refill, block_pages(num_stages))
+            return lax.fori_loop(0, num_blocks, block, g)
 
-    def step(n, carry):
-        """Folds block n * compute_wgs + wg into this warpgroup's (acc, m, l)."""
+        lax.fori_loop(0, my_items, item, 0)
+
+    def step(j, carry, *, q_tile, g0, stream_blocks, start, end, first_block, q_pos, seq_len):
+        """Folds block j of the item (block g0 + j of the stream) into this warpgroup's (acc, m, l).
+
+        A slot's consumed barriers are arrived at only when the producer will refill it (it waits
+        for no other arrival, and the interpreter checks that every arrival is waited for)."""
         acc, m, l = carry
-        i = n * compute_wgs + wg
-        slot = lax.rem(i, num_stages)
-        t0 = (first_block + i) * block_k
+        slot = lax.rem(g0 + j, num_stages)
+        t0 = (first_block + j) * block_k
         plgpu.barrier_wait(k_barriers.at[slot])
-        scores = _scores(q_smem, k_smem.at[slot], interpret=interpret) * sm_scale
-        refilled = i + num_stages < num_blocks  # the producer waits for a slot only to refill it
+        scores = _scores(q_tile, k_smem.at[slot], interpret=interpret) * sm_scale
+        refilled = g0 + j + num_stages < stream_blocks
         pl.when(refilled)(lambda: plgpu.barrier_arrive(k_consumed_barriers.at[slot]))
         if soft_cap is not None:
             scores = soft_cap * jnp.tanh(scores / soft_cap)
@@ -287,56 +331,74 @@ def _decode_body(
         pl.when(refilled)(lambda: plgpu.barrier_arrive(v_consumed_barriers.at[slot]))
         return acc, m_new, l
 
-    def write_output(acc, m, l):
+    def write_output(acc, m, l, b, h, s):
+        """The split's normalized state through o_smem[0] and ml_smem[0, 0]; returns once the copies
+        have read them."""
         valid = l > 0
         safe_l = jnp.where(valid, l, 1.0)
+        lse_smem = ml_smem.at[0, 0]
         o_smem[0] = jnp.where(_row_vector(valid, acc.shape), acc / _row_vector(safe_l, acc.shape), 0.0)
         lse_smem[...] = jnp.where(valid, (m + jnp.log2(safe_l)) / LOG2_E, -jnp.inf)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(o_smem.at[0, pl.ds(0, QUERY_ROWS)], o_ref.at[b, h, :, s])
         plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(0, QUERY_ROWS)], lse_ref.at[b, h, s])
-        plgpu.wait_smem_to_gmem(0)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     @pl.when(wg < compute_wgs)
     def _consumer():
-        """A compute warpgroup: every compute_wgs-th block, then the warpgroups' states merge."""
-        rows = q_smem.shape[0]
+        """A compute warpgroup: of each work item, the blocks whose stream index is wg modulo
+        compute_wgs (so each ring slot always feeds the same warpgroup); then the warpgroups'
+        states merge and warpgroup 0 writes the item's output."""
+        rows = q_smem.shape[1]
         reduced = plgpu.Layout.WGMMA.reduce(1)
-        carry = (
-            _laid_out(jnp.zeros((rows, d), jnp.float32), plgpu.Layout.WGMMA, interpret=interpret),
-            _laid_out(jnp.full((rows,), -jnp.inf, jnp.float32), reduced, interpret=interpret),
-            _laid_out(jnp.zeros((rows,), jnp.float32), reduced, interpret=interpret),
-        )
-        plgpu.barrier_wait(q_barrier)
-        acc, m, l = lax.fori_loop(0, (num_blocks - wg + compute_wgs - 1) // compute_wgs, step, carry)
-        # The output tiles alias the ring. Every issued block has been waited for by the warpgroup
-        # that owns it, so once all compute warpgroups are here no copy or MMA touches the ring.
-        plgpu.barrier_arrive(loops_done_barrier)
-        plgpu.barrier_wait(loops_done_barrier)
-        if compute_wgs == 1:
-            write_output(acc, m, l)
-            return
+        stream_blocks = lax.fori_loop(0, my_items, lambda k, n: n + work_item(k)[-1], 0)
 
-        @pl.when(wg > 0)
-        def _hand_over():
-            o_smem[wg - 1] = acc
-            m_smem[wg - 1] = m
-            l_smem[wg - 1] = l
-            plgpu.barrier_arrive(handoff_barrier)
+        def item(k, g0):
+            b, h, s, start, end, first_block, num_blocks = work_item(k)
+            seq_len = seq_lens_ref[b]
+            buffer = lax.rem(k, q_buffers)
+            first_mine = lax.rem(wg - lax.rem(g0, compute_wgs) + compute_wgs, compute_wgs)
+            carry = (
+                _laid_out(jnp.zeros((rows, d), jnp.float32), plgpu.Layout.WGMMA, interpret=interpret),
+                _laid_out(jnp.full((rows,), -jnp.inf, jnp.float32), reduced, interpret=interpret),
+                _laid_out(jnp.zeros((rows,), jnp.float32), reduced, interpret=interpret),
+            )
+            plgpu.barrier_wait(q_barriers.at[buffer])
+            fold = functools.partial(step, q_tile=q_smem.at[buffer], g0=g0, stream_blocks=stream_blocks, start=start, end=end, first_block=first_block,
+                                     q_pos=seq_len - 1, seq_len=seq_len)
+            mine = jnp.maximum(num_blocks - first_mine + compute_wgs - 1, 0) // compute_wgs
+            acc, m, l = lax.fori_loop(0, mine, lambda n, c: fold(first_mine + n * compute_wgs, c), carry)
+            pl.when(k + q_buffers < my_items)(lambda: plgpu.barrier_arrive(q_free_barriers.at[buffer]))  # refilled then
+            if compute_wgs == 1:
+                write_output(acc, m, l, b, h, s)
+                return g0 + num_blocks
 
-        @pl.when(wg == 0)
-        def _merge_and_write():
-            plgpu.barrier_wait(handoff_barrier)
-            state = (acc, m, l)
-            for other in range(compute_wgs - 1):  # in warpgroup order: the same sums every run
-                state = _merge_states(*state,
-                                      _load(o_smem.at[other], plgpu.Layout.WGMMA, interpret=interpret, optimized=False),
-                                      _load(m_smem.at[other], reduced, interpret=interpret, optimized=False),
-                                      _load(l_smem.at[other], reduced, interpret=interpret, optimized=False))
-            write_output(*state)
+            @pl.when(wg > 0)
+            def _hand_over():
+                pl.when(k > 0)(lambda: plgpu.barrier_wait(handoff_free_barrier))  # o_smem[0] held the last output
+                o_smem[wg - 1] = acc
+                ml_smem[0, wg - 1] = m
+                ml_smem[1, wg - 1] = l
+                plgpu.barrier_arrive(handoff_barrier)
+
+            @pl.when(wg == 0)
+            def _merge_and_write():
+                plgpu.barrier_wait(handoff_barrier)
+                state = (acc, m, l)
+                for other in range(compute_wgs - 1):  # in warpgroup order: the same sums every run
+                    state = _merge_states(*state,
+                                          _load(o_smem.at[other], plgpu.Layout.WGMMA, interpret=interpret, optimized=False),
+                                          _load(ml_smem.at[0, other], reduced, interpret=interpret, optimized=False),
+                                          _load(ml_smem.at[1, other], reduced, interpret=interpret, optimized=False))
+                write_output(*state, b, h, s)
+                pl.when(k + 1 < my_items)(lambda: plgpu.barrier_arrive(handoff_free_barrier))
+
+            return g0 + num_blocks
+
+        lax.fori_loop(0, my_items, item, 0)
 
 
-@functools.partial(jax.jit, static_argnames=("layout", "sm_scale", "soft_cap", "mask", "config", "interpret"))
+@functools.partial(jax.jit, static_argnames=("layout", "sm_scale", "soft_cap", "mask", "config", "num_sms", "interpret"))
 def paged_decode_partials(
     q: jax.Array,  # [B, H_q, D]
     k_pages: jax.Array,  # PAGED_NHD [num_pages, P, H_kv, D] or PAGED_HND [num_pages, H_kv, P, D]
@@ -352,6 +414,7 @@ def paged_decode_partials(
     soft_cap: float | None,
     mask: DecodeMask,
     config: MosaicDecodeConfig,
+    num_sms: int,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Partial states of every split: (o f32[B, H_q, S, D], lse f32[B, H_q, S]).
@@ -366,12 +429,15 @@ def paged_decode_partials(
     if reasons:
         raise ValueError(f"the Mosaic GPU decode kernel cannot run this call: {reasons}")
     S = split_start.shape[1]
+    num_items = B * H_kv * S
+    programs = min(num_items, config.programs or (INTERPRET_PROGRAMS if interpret else num_sms))
     q_rows = jnp.pad(q.reshape(B, H_kv, group, D), ((0, 0), (0, 0), (0, QUERY_ROWS - group), (0, 0)))
     tiled = (plgpu.TilingTransform((TILE_ROWS, SWIZZLE_BYTES // q.dtype.itemsize)), plgpu.SwizzleTransform(SWIZZLE_BYTES))
     ring = (config.num_stages, config.block_k, D)
     body = functools.partial(
-        _decode_body, page_size=P, layout=layout, block_k=config.block_k, num_stages=config.num_stages,
-        compute_wgs=config.compute_warpgroups, sm_scale=sm_scale, soft_cap=soft_cap, mask=mask, interpret=interpret,
+        _decode_body, programs=programs, num_splits=S, kv_heads=H_kv, num_items=num_items, page_size=P, layout=layout,
+        block_k=config.block_k, num_stages=config.num_stages, compute_wgs=config.compute_warpgroups, sm_scale=sm_scale,
+        soft_cap=soft_cap, mask=mask, interpret=interpret,
     )
     extra = {}
     if interpret:
@@ -379,7 +445,7 @@ def paged_decode_partials(
 
         extra["interpret"] = InterpretGPUParams(detect_races=True, out_of_bounds_reads="raise")
     copies_per_block = max(1, config.block_k // P)
-    handoffs = max(1, config.compute_warpgroups - 1)  # the output tile reuses the first
+    handoffs = max(1, config.compute_warpgroups - 1)  # the output goes through the first
     kernel = plgpu.kernel(
         body,
         out_type=(
@@ -387,23 +453,22 @@ def paged_decode_partials(
             jax.ShapeDtypeStruct((B, H_kv, S, QUERY_ROWS), jnp.float32),
         ),
         scratch_types=[
-            plgpu.SMEM((WGMMA_ROWS, D), q.dtype, transforms=tiled),
-            # The interpreter cannot alias refs; apart, the two groups behave the same.
-            ((lambda *groups: groups) if interpret else plgpu.RefUnion)(
-                (plgpu.SMEM(ring, k_pages.dtype, transforms=tiled), plgpu.SMEM(ring, v_pages.dtype, transforms=tiled)),
-                (plgpu.SMEM((handoffs, WGMMA_ROWS, D), jnp.float32), *[plgpu.SMEM((handoffs, WGMMA_ROWS), jnp.float32)] * 2,
-                 plgpu.SMEM((WGMMA_ROWS,), jnp.float32)),
-            ),
-            plgpu.Barrier(),
+            plgpu.SMEM((config.q_buffers(D, q.dtype.itemsize), WGMMA_ROWS, D), q.dtype, transforms=tiled),
+            plgpu.SMEM(ring, k_pages.dtype, transforms=tiled),
+            plgpu.SMEM(ring, v_pages.dtype, transforms=tiled),
+            plgpu.SMEM((handoffs, WGMMA_ROWS, D), jnp.float32),
+            plgpu.SMEM((2, handoffs, WGMMA_ROWS), jnp.float32),
+            plgpu.Barrier(num_barriers=config.q_buffers(D, q.dtype.itemsize)),
+            plgpu.Barrier(num_arrivals=config.compute_warpgroups, num_barriers=config.q_buffers(D, q.dtype.itemsize)),
             plgpu.Barrier(num_arrivals=copies_per_block, num_barriers=config.num_stages),
             plgpu.Barrier(num_arrivals=copies_per_block, num_barriers=config.num_stages),
             plgpu.Barrier(num_barriers=config.num_stages),
             plgpu.Barrier(num_barriers=config.num_stages),
-            plgpu.Barrier(num_arrivals=config.compute_warpgroups),
             plgpu.Barrier(num_arrivals=handoffs),
+            plgpu.Barrier(),
         ],
-        grid=(S, H_kv, B),
-        grid_names=("split", "kv_head", "batch"),
+        grid=(programs,),
+        grid_names=("program",),
         num_threads=config.compute_warpgroups + 1,
         thread_name="wg",
         kernel_name="decodejax_paged_decode_mgpu",

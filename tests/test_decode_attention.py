@@ -262,6 +262,20 @@ class MosaicDecodeAttentionCases(DecodeAttentionCases):
         ref_o, ref_lse = oracle(args, KVLayout.PAGED_NHD)
         assert_matches_oracle(o, lse, ref_o, ref_lse, "bfloat16", problem["seq_lens"])
 
+    @pytest.mark.parametrize("programs,compute_warpgroups,stages", [(1, 2, 4), (3, 1, 2), (4, 3, 3)])
+    def test_programs_walking_several_items_match_oracle(self, programs, compute_warpgroups, stages):
+        """A persistent program streams its work items' blocks back to back: a slot refilled with
+        the next item's block, a query tile reused, EMPTY items (the empty request, unused split
+        slots) between full ones, and item streams that start on either warpgroup's turn."""
+        from pallas_kernels.decode_attention_mgpu import MosaicDecodeConfig
+
+        spec = Spec(batch=4, q_heads=4, kv_heads=2, head_dim=64, page_size=16, width=14)
+        problem = make_problem(spec, np.random.default_rng(11), lengths=(224, 0, 70, 129))
+        args = to_device(problem, jnp.bfloat16)
+        o, lse = self.run(args, config=MosaicDecodeConfig(64, stages, compute_warpgroups, programs=programs), num_splits=3)
+        ref_o, ref_lse = oracle(args, KVLayout.PAGED_NHD)
+        assert_matches_oracle(o, lse, ref_o, ref_lse, "bfloat16", problem["seq_lens"])
+
     def block_k(self, head_dim: int) -> int:
         from pallas_kernels.decode_attention_mgpu import default_config
 
