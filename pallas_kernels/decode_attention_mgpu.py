@@ -80,8 +80,13 @@ class MosaicDecodeConfig:
         q = q_buffers * WGMMA_ROWS * head_dim * itemsize
         ring = 2 * self.num_stages * self.block_k * head_dim * itemsize
         handoffs = max(1, self.compute_warpgroups - 1)
-        states = handoffs * (WGMMA_ROWS * head_dim * 4 + 2 * WGMMA_ROWS * 4)  # o, then m and l (lse reuses m's first)
+        states = handoffs * WGMMA_ROWS * head_dim * 4 + self.row_vectors() * handoffs * WGMMA_ROWS * 4
         return q + ring + states
+
+    def row_vectors(self) -> int:
+        """Row vectors handed over per other warpgroup: m and l (the output's lse reuses the first);
+        with one compute warpgroup only the lse."""
+        return 2 if self.compute_warpgroups > 1 else 1
 
     def q_buffers(self, head_dim: int, itemsize: int) -> int:
         """Two query tiles (the next item's lands during the current one) when they fit, else one."""
@@ -92,9 +97,10 @@ class MosaicDecodeConfig:
         return self._bytes(head_dim, itemsize, self.q_buffers(head_dim, itemsize))
 
 
-# Shared memory a block may use on the H100/H200 (227 KiB), less Mosaic GPU's own scratch
-# (CompilerParams.reduction_scratch_bytes, 2 KiB) and barriers.
-SHARED_MEMORY_BUDGET = 227 * 1024 - 2048 - 512
+# Shared memory a block may use on the H100/H200 (227 KiB = 232,448 bytes), less what Mosaic GPU
+# adds (CompilerParams.reduction_scratch_bytes, 2 KiB, barriers, alignment): on the H200 with jax
+# 0.11.2 a kernel of 229,888 bytes of scratch and 26 barriers asked for 232,656 bytes.
+SHARED_MEMORY_BUDGET = 227 * 1024 - 2816
 # Programs of an interpreted call: the interpreter runs them one at a time, and two of them
 # walk several work items each in the tests' small problems.
 INTERPRET_PROGRAMS = 2
@@ -215,7 +221,7 @@ def _decode_body(
     k_smem,  # [num_stages, block_k, D]: the K/V ring
     v_smem,
     o_smem,  # f32[max(1, W - 1), 64, D]: the other warpgroups' states; [0] then holds the output
-    ml_smem,  # f32[2, max(1, W - 1), 64]: their m and l; [0, 0] then holds the output's lse
+    ml_smem,  # f32[2, W - 1, 64]: their m and l, or f32[1, 1, 64] for W = 1; [0, 0] then holds the output's lse
     q_barriers,  # one per q buffer: its copy has landed
     q_free_barriers,  # one per q buffer: every compute warpgroup is done with it
     k_barriers,  # one per slot, counting the block's page copies
@@ -457,7 +463,7 @@ def paged_decode_partials(
             plgpu.SMEM(ring, k_pages.dtype, transforms=tiled),
             plgpu.SMEM(ring, v_pages.dtype, transforms=tiled),
             plgpu.SMEM((handoffs, WGMMA_ROWS, D), jnp.float32),
-            plgpu.SMEM((2, handoffs, WGMMA_ROWS), jnp.float32),
+            plgpu.SMEM((config.row_vectors(), handoffs, WGMMA_ROWS), jnp.float32),
             plgpu.Barrier(num_barriers=config.q_buffers(D, q.dtype.itemsize)),
             plgpu.Barrier(num_arrivals=config.compute_warpgroups, num_barriers=config.q_buffers(D, q.dtype.itemsize)),
             plgpu.Barrier(num_arrivals=copies_per_block, num_barriers=config.num_stages),
