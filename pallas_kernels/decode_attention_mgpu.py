@@ -55,6 +55,9 @@ WGMMA_ROWS = 64  # the M of one warpgroup MMA: the padded query rows of a progra
 QUERY_ROWS = 8  # the G query rows of a K/V head padded to one shared-memory tile
 TILE_ROWS = 8  # rows of the (8, 64) shared-memory tiling wgmma reads
 SWIZZLE_BYTES = 128
+# Rows of a handed-over state tile past the QUERY_ROWS that are copied out (their acc rows are
+# padding), which carry the state's m and l, and the output's lse.
+M_ROW, L_ROW = QUERY_ROWS, QUERY_ROWS + 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,13 +83,8 @@ class MosaicDecodeConfig:
         q = q_buffers * WGMMA_ROWS * head_dim * itemsize
         ring = 2 * self.num_stages * self.block_k * head_dim * itemsize
         handoffs = max(1, self.compute_warpgroups - 1)
-        states = handoffs * WGMMA_ROWS * head_dim * 4 + self.row_vectors() * handoffs * WGMMA_ROWS * 4
+        states = handoffs * WGMMA_ROWS * head_dim * 4  # m, l and the lse ride in rows nobody copies out
         return q + ring + states
-
-    def row_vectors(self) -> int:
-        """Row vectors handed over per other warpgroup: m and l (the output's lse reuses the first);
-        with one compute warpgroup only the lse."""
-        return 2 if self.compute_warpgroups > 1 else 1
 
     def q_buffers(self, head_dim: int, itemsize: int) -> int:
         """Two query tiles (the next item's lands during the current one) when they fit, else one."""
@@ -98,24 +96,23 @@ class MosaicDecodeConfig:
 
 
 # Shared memory a block may use on the H100/H200 (227 KiB = 232,448 bytes), less what Mosaic GPU
-# adds (CompilerParams.reduction_scratch_bytes, 2 KiB, barriers, alignment): on the H200 with jax
-# 0.11.2 a kernel of 229,888 bytes of scratch and 26 barriers asked for 232,656 bytes.
-SHARED_MEMORY_BUDGET = 227 * 1024 - 2816
+# adds: it rounds the scratch up to whole KiB, then adds 2 KiB (CompilerParams.
+# reduction_scratch_bytes) and 8 bytes a barrier (up to 128 barriers fit in the last KiB). The
+# lowering checks the sum (test_mosaic_default_configs_lower_within_shared_memory).
+SHARED_MEMORY_BUDGET = 227 * 1024 - 2048 - 1024
 # Programs of an interpreted call: the interpreter runs them one at a time, and two of them
 # walk several work items each in the tests' small problems.
 INTERPRET_PROGRAMS = 2
 
 
 def default_config(head_dim: int) -> MosaicDecodeConfig:
-    """64-token blocks, two compute warpgroups and four ring slots; at D = 256, one compute
-    warpgroup and two slots (shared memory).
+    """64-token blocks, two compute warpgroups, four ring slots (two at D = 256, for shared memory).
 
     On the H200 (D = 128, benchmarks/results/decode_attention_mgpu_sweep.json, one program per
     work item then) six slots were within 5% at B 8 to 128 and 13% slower at B 1; one compute
-    warpgroup (three slots) was 1 to 13% slower."""
-    if head_dim <= 128:
-        return MosaicDecodeConfig(block_k=64, num_stages=4, compute_warpgroups=2)
-    return MosaicDecodeConfig(block_k=64, num_stages=2, compute_warpgroups=1)
+    warpgroup (three slots) was 1 to 13% slower. Persistent (results/decode_attention_mgpu_
+    persistent_tune.json), two slots with one or two compute warpgroups were 8% slower at B 128."""
+    return MosaicDecodeConfig(block_k=64, num_stages=4 if head_dim <= 128 else 2, compute_warpgroups=2)
 
 
 def supports(page_size: int, head_dim: int, group: int, dtype, config: MosaicDecodeConfig) -> list[str]:
@@ -220,8 +217,7 @@ def _decode_body(
     q_smem,  # [q_buffers, 64, D]: the query rows of the current (and next) work item
     k_smem,  # [num_stages, block_k, D]: the K/V ring
     v_smem,
-    o_smem,  # f32[max(1, W - 1), 64, D]: the other warpgroups' states; [0] then holds the output
-    ml_smem,  # f32[2, W - 1, 64]: their m and l, or f32[1, 1, 64] for W = 1; [0, 0] then holds the output's lse
+    o_smem,  # f32[max(1, W - 1), 64, D]: the other warpgroups' states (m, l in rows M_ROW, L_ROW); [0] then the output (lse in M_ROW)
     q_barriers,  # one per q buffer: its copy has landed
     q_free_barriers,  # one per q buffer: every compute warpgroup is done with it
     k_barriers,  # one per slot, counting the block's page copies
@@ -338,12 +334,13 @@ def _decode_body(
         return acc, m_new, l
 
     def write_output(acc, m, l, b, h, s):
-        """The split's normalized state through o_smem[0] and ml_smem[0, 0]; returns once the copies
-        have read them."""
+        """The split's normalized state through o_smem[0] (o in rows 0 to 7, lse in row M_ROW);
+        returns once the copies have read it."""
         valid = l > 0
         safe_l = jnp.where(valid, l, 1.0)
-        lse_smem = ml_smem.at[0, 0]
+        lse_smem = o_smem.at[0, M_ROW, pl.ds(0, WGMMA_ROWS)]
         o_smem[0] = jnp.where(_row_vector(valid, acc.shape), acc / _row_vector(safe_l, acc.shape), 0.0)
+        plgpu.commit_smem()  # a warpgroup barrier too: the tile's row M_ROW is written before the lse
         lse_smem[...] = jnp.where(valid, (m + jnp.log2(safe_l)) / LOG2_E, -jnp.inf)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(o_smem.at[0, pl.ds(0, QUERY_ROWS)], o_ref.at[b, h, :, s])
@@ -383,8 +380,9 @@ def _decode_body(
             def _hand_over():
                 pl.when(k > 0)(lambda: plgpu.barrier_wait(handoff_free_barrier))  # o_smem[0] held the last output
                 o_smem[wg - 1] = acc
-                ml_smem[0, wg - 1] = m
-                ml_smem[1, wg - 1] = l
+                plgpu.commit_smem()  # a warpgroup barrier: acc's rows M_ROW and L_ROW are written first
+                o_smem[wg - 1, M_ROW, pl.ds(0, WGMMA_ROWS)] = m
+                o_smem[wg - 1, L_ROW, pl.ds(0, WGMMA_ROWS)] = l
                 plgpu.barrier_arrive(handoff_barrier)
 
             @pl.when(wg == 0)
@@ -394,8 +392,10 @@ def _decode_body(
                 for other in range(compute_wgs - 1):  # in warpgroup order: the same sums every run
                     state = _merge_states(*state,
                                           _load(o_smem.at[other], plgpu.Layout.WGMMA, interpret=interpret, optimized=False),
-                                          _load(ml_smem.at[0, other], reduced, interpret=interpret, optimized=False),
-                                          _load(ml_smem.at[1, other], reduced, interpret=interpret, optimized=False))
+                                          _load(o_smem.at[other, M_ROW, pl.ds(0, WGMMA_ROWS)], reduced, interpret=interpret,
+                                                optimized=False),
+                                          _load(o_smem.at[other, L_ROW, pl.ds(0, WGMMA_ROWS)], reduced, interpret=interpret,
+                                                optimized=False))
                 write_output(*state, b, h, s)
                 pl.when(k + 1 < my_items)(lambda: plgpu.barrier_arrive(handoff_free_barrier))
 
@@ -463,7 +463,6 @@ def paged_decode_partials(
             plgpu.SMEM(ring, k_pages.dtype, transforms=tiled),
             plgpu.SMEM(ring, v_pages.dtype, transforms=tiled),
             plgpu.SMEM((handoffs, WGMMA_ROWS, D), jnp.float32),
-            plgpu.SMEM((config.row_vectors(), handoffs, WGMMA_ROWS), jnp.float32),
             plgpu.Barrier(num_barriers=config.q_buffers(D, q.dtype.itemsize)),
             plgpu.Barrier(num_arrivals=config.compute_warpgroups, num_barriers=config.q_buffers(D, q.dtype.itemsize)),
             plgpu.Barrier(num_arrivals=copies_per_block, num_barriers=config.num_stages),

@@ -452,6 +452,25 @@ def test_mosaic_configs_must_fit_shared_memory():
     assert len(too_big) == 1 and "bytes of shared memory" in too_big[0]
 
 
+@pytest.mark.parametrize("head_dim,config", [
+    (64, None), (128, None), (256, None), (128, (64, 5, 1)), (128, (64, 3, 3)), (256, (64, 2, 1))])
+def test_mosaic_default_configs_lower_within_shared_memory(head_dim, config):
+    """Mosaic GPU's lowering adds its own shared memory to the kernel's scratch and refuses a
+    kernel over the device's 227 KiB (this check runs on CPU too); every config admission lets
+    through must pass it. The defaults at D 256 and five slots of one warpgroup at D 128 are
+    within a KiB of the limit (an H200 run at 1f79188 failed at D 256 by 96 bytes)."""
+    from pallas_kernels.decode_attention_mgpu import MosaicDecodeConfig, default_config, supports
+
+    config = default_config(head_dim) if config is None else MosaicDecodeConfig(*config)
+    assert supports(16, head_dim, 4, jnp.bfloat16, config) == []
+    q = jax.ShapeDtypeStruct((4, 8, head_dim), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((64, 16, 2, head_dim), jnp.bfloat16)
+    table, lens = jax.ShapeDtypeStruct((4, 16), jnp.int32), jax.ShapeDtypeStruct((4,), jnp.int32)
+    with decodejax.dispatch.targeting("gpu", "9.0"):
+        step = jax.jit(lambda q, k, v, t, l: decodejax.decode_attention(q, k, v, t, l, config=config, backend="pallas_mosaic_gpu"))
+        step.trace(q, k, k, table, lens).lower(lowering_platforms=("cuda",))
+
+
 def test_backends_and_auto_choice_on_this_platform():
     assert {"xla", "pallas_triton", "pallas_triton_interpret", "cudnn"} <= set(decodejax.backends())
     problem = make_problem(SPECS[0], np.random.default_rng(12))
