@@ -13,7 +13,7 @@
 #   e2e_top_p the same with nucleus sampling (the steps add the sorting resample) -> e2e_decode_top_p.json
 #   peer      transformers generate on the e2e shapes (own process) -> hf.json
 #   startup   capture time of fresh processes, cold then warm cache -> e2e_startup.json
-#   ncu       Nsight Compute counters of the Triton and Mosaic kernels on NCU_CASES -> ncu/*.ncu-rep, ncu_decode.json
+#   ncu       Nsight Compute counters of the Triton and Mosaic kernels on NCU_CASES -> ncu_decode.json, ncu_exports.tar.gz
 # FlashInfer needs its wheels (../shared/tools/fetch_peer_wheels.sh): in .whl, or, since the
 # FlashInfer wheel alone nearly fills a device call's 64 MiB, unzipped and packed as
 # .whl_fi/fi_site.tar.xz (flashinfer_python + apache_tvm_ffi, 19 MB) beside the other wheels it
@@ -78,7 +78,9 @@ for stage in "$@"; do
             || { echo "ncu could not read $report.ncu-rep"; rm -f "$report.details.csv"; }
         done
       done
-      python3 -m benchmarks.ncu_decode summarize "$OUT/ncu_decode.json" $(ls "$OUT"/ncu/*.details.csv | sed 's/.details.csv$//') ;;
+      python3 -m benchmarks.ncu_decode summarize "$OUT/ncu_decode.json" $(ls "$OUT"/ncu/*.details.csv | sed 's/.details.csv$//')
+      # a device call brings back at most 8 files: the exports and logs travel as one archive
+      tar -czf "$OUT/ncu_exports.tar.gz" -C "$OUT" $(cd "$OUT" && ls ncu/*.csv ncu/*.log 2>/dev/null) && rm -rf "$OUT/ncu" ;;
     *)
       echo "unknown stage $stage" >&2; exit 2 ;;
   esac

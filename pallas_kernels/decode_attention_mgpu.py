@@ -111,7 +111,7 @@ def default_config(head_dim: int) -> MosaicDecodeConfig:
     On the H200 (D = 128, benchmarks/results/decode_attention_mgpu_sweep.json, one program per
     work item then) six slots were within 5% at B 8 to 128 and 13% slower at B 1; one compute
     warpgroup (three slots) was 1 to 13% slower. Persistent (results/decode_attention_mgpu_
-    persistent_tune.json), two slots with one or two compute warpgroups were 8% slower at B 128."""
+    persistent_tune.json), two slots with one or two compute warpgroups were 9% slower at B 128."""
     return MosaicDecodeConfig(block_k=64, num_stages=4 if head_dim <= 128 else 2, compute_warpgroups=2)
 
 
@@ -123,6 +123,8 @@ def supports(page_size: int, head_dim: int, group: int, dtype, config: MosaicDec
     if config.compute_warpgroups not in (1, 2, 3) or config.num_stages < 2 or config.num_stages % config.compute_warpgroups:
         r.append(f"num_stages={config.num_stages} must be >= 2 and a multiple of "
                  f"compute_warpgroups={config.compute_warpgroups} (1 to 3)")
+    if config.programs is not None and config.programs < 1:
+        r.append(f"programs={config.programs} must be >= 1 (or None: one per SM)")
     if page_size <= 0 or page_size % TILE_ROWS:
         r.append(f"page_size={page_size} is not a positive multiple of {TILE_ROWS}")
     elif config.block_k % page_size and page_size % config.block_k:
@@ -301,20 +303,28 @@ def _decode_body(
 
             return lax.fori_loop(0, num_blocks, block, g)
 
-        lax.fori_loop(0, my_items, item, 0)
+        stream_blocks = lax.fori_loop(0, my_items, item, 0)
+        # The compute warpgroups arrive at every slot and query buffer they are done with; the
+        # last arrivals, which no refill waited for, are waited for here (the interpreter checks
+        # that every phase of a barrier is observed).
+        for slot in range(num_stages):
 
-    def step(j, carry, *, q_tile, g0, stream_blocks, start, end, first_block, q_pos, seq_len):
-        """Folds block j of the item (block g0 + j of the stream) into this warpgroup's (acc, m, l).
+            @pl.when(slot < stream_blocks)
+            def _drain_slot(slot=slot):
+                plgpu.barrier_wait(k_consumed_barriers.at[slot])
+                plgpu.barrier_wait(v_consumed_barriers.at[slot])
 
-        A slot's consumed barriers are arrived at only when the producer will refill it (it waits
-        for no other arrival, and the interpreter checks that every arrival is waited for)."""
+        for buffer in range(q_buffers):
+            pl.when(buffer < my_items)(lambda buffer=buffer: plgpu.barrier_wait(q_free_barriers.at[buffer]))
+
+    def step(j, carry, *, q_tile, g0, start, end, first_block, q_pos, seq_len):
+        """Folds block j of the item (block g0 + j of the stream) into this warpgroup's (acc, m, l)."""
         acc, m, l = carry
         slot = lax.rem(g0 + j, num_stages)
         t0 = (first_block + j) * block_k
         plgpu.barrier_wait(k_barriers.at[slot])
         scores = _scores(q_tile, k_smem.at[slot], interpret=interpret) * sm_scale
-        refilled = g0 + j + num_stages < stream_blocks
-        pl.when(refilled)(lambda: plgpu.barrier_arrive(k_consumed_barriers.at[slot]))
+        plgpu.barrier_arrive(k_consumed_barriers.at[slot])
         if soft_cap is not None:
             scores = soft_cap * jnp.tanh(scores / soft_cap)
         t = _positions(t0, scores.shape, 1, interpret=interpret)
@@ -330,7 +340,7 @@ def _decode_body(
             plgpu.commit_smem()  # the MMA reads through the async proxy
 
         acc = _accumulate(acc * _row_vector(alpha, acc.shape), p.astype(v_smem.dtype), v_smem.at[slot], interpret=interpret)
-        pl.when(refilled)(lambda: plgpu.barrier_arrive(v_consumed_barriers.at[slot]))
+        plgpu.barrier_arrive(v_consumed_barriers.at[slot])
         return acc, m_new, l
 
     def write_output(acc, m, l, b, h, s):
@@ -354,7 +364,6 @@ def _decode_body(
         states merge and warpgroup 0 writes the item's output."""
         rows = q_smem.shape[1]
         reduced = plgpu.Layout.WGMMA.reduce(1)
-        stream_blocks = lax.fori_loop(0, my_items, lambda k, n: n + work_item(k)[-1], 0)
 
         def item(k, g0):
             b, h, s, start, end, first_block, num_blocks = work_item(k)
@@ -367,11 +376,11 @@ def _decode_body(
                 _laid_out(jnp.zeros((rows,), jnp.float32), reduced, interpret=interpret),
             )
             plgpu.barrier_wait(q_barriers.at[buffer])
-            fold = functools.partial(step, q_tile=q_smem.at[buffer], g0=g0, stream_blocks=stream_blocks, start=start, end=end, first_block=first_block,
+            fold = functools.partial(step, q_tile=q_smem.at[buffer], g0=g0, start=start, end=end, first_block=first_block,
                                      q_pos=seq_len - 1, seq_len=seq_len)
             mine = jnp.maximum(num_blocks - first_mine + compute_wgs - 1, 0) // compute_wgs
             acc, m, l = lax.fori_loop(0, mine, lambda n, c: fold(first_mine + n * compute_wgs, c), carry)
-            pl.when(k + q_buffers < my_items)(lambda: plgpu.barrier_arrive(q_free_barriers.at[buffer]))  # refilled then
+            plgpu.barrier_arrive(q_free_barriers.at[buffer])
             if compute_wgs == 1:
                 write_output(acc, m, l, b, h, s)
                 return g0 + num_blocks
@@ -397,11 +406,13 @@ def _decode_body(
                                           _load(o_smem.at[other, L_ROW, pl.ds(0, WGMMA_ROWS)], reduced, interpret=interpret,
                                                 optimized=False))
                 write_output(*state, b, h, s)
-                pl.when(k + 1 < my_items)(lambda: plgpu.barrier_arrive(handoff_free_barrier))
+                plgpu.barrier_arrive(handoff_free_barrier)
 
             return g0 + num_blocks
 
         lax.fori_loop(0, my_items, item, 0)
+        if compute_wgs > 1:  # the last item's output has been copied out (observes that phase)
+            pl.when(wg > 0)(lambda: plgpu.barrier_wait(handoff_free_barrier))
 
 
 @functools.partial(jax.jit, static_argnames=("layout", "sm_scale", "soft_cap", "mask", "config", "num_sms", "interpret"))

@@ -1,4 +1,4 @@
-"""Benchmark tools: profile_summary (GPU stream events summed by name) and hopper_compile (kernel IR extraction)."""
+"""Benchmark tools: profile_summary (GPU stream events summed by name), hopper_compile (kernel IR extraction) and ncu_decode (Nsight Compute exports)."""
 
 from types import SimpleNamespace as NS
 
@@ -147,3 +147,34 @@ def test_e2e_step_timing_splits_each_step_into_submit_and_fetch_and_restores_the
     with pytest.raises(RuntimeError, match="produced 2 tokens for a batch of 3"):
         timed_steps(engine, batch=3, steps=1)
     assert "submit" not in vars(engine.runner) and "fetch" not in vars(engine.runner)
+
+
+def test_ncu_exports_are_read_per_launch_with_their_stall_reasons(tmp_path):
+    """ncu_decode.summarize: the details page's rows go to their launch by ID (notes before the
+    table skipped), the raw page's stall reasons (its second row holds units) are ranked, and a
+    value ncu could not read (n/a) is left out."""
+    import json
+
+    from benchmarks import ncu_decode
+
+    (tmp_path / "r.details.csv").write_text(
+        "==PROF== a note\n"
+        '"ID","Kernel Name","Section Name","Metric Name","Metric Unit","Metric Value"\n'
+        '"0","decodejax_paged_decode","GPU Speed Of Light Throughput","DRAM Throughput","%","85.10"\n'
+        '"0","decodejax_paged_decode","Launch Statistics","Registers Per Thread","register/thread","210"\n'
+        '"1","decodejax_merge_states","GPU Speed Of Light Throughput","Duration","us","3.10"\n'
+        '"1","decodejax_merge_states","Some Section","Unlisted Metric","","7"\n')
+    stall = lambda reason: f"{ncu_decode.STALL_PREFIX}{reason}{ncu_decode.STALL_SUFFIX}"
+    (tmp_path / "r.raw.csv").write_text(
+        f'"ID","Kernel Name","{stall("long_scoreboard")}","{stall("barrier")}","smsp__other.ratio"\n'
+        '"","","","",""\n'
+        '"1","decodejax_merge_states","n/a","0.50","9"\n'
+        '"0","decodejax_paged_decode","3.85","1,002.5","9"\n')
+    summary = ncu_decode.summarize(str(tmp_path / "s.json"), [str(tmp_path / "r")])
+    assert json.loads((tmp_path / "s.json").read_text()) == summary
+    kernel, merge = summary["r"]
+    assert kernel == {"kernel": "decodejax_paged_decode", "dram_throughput_pct": "85.10 %",
+                      "registers_per_thread": "210 register/thread",
+                      "top_stalls_per_issued_instruction": {"barrier": 1002.5, "long_scoreboard": 3.85}}
+    assert merge == {"kernel": "decodejax_merge_states", "duration": "3.10 us",
+                     "top_stalls_per_issued_instruction": {"barrier": 0.5}}

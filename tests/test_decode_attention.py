@@ -450,6 +450,7 @@ def test_mosaic_configs_must_fit_shared_memory():
         assert supports(16, d, 4, jnp.bfloat16, default_config(d)) == []
     too_big = supports(16, 128, 4, jnp.bfloat16, MosaicDecodeConfig(block_k=128, num_stages=4, compute_warpgroups=2))
     assert len(too_big) == 1 and "bytes of shared memory" in too_big[0]
+    assert supports(16, 128, 4, jnp.bfloat16, MosaicDecodeConfig(programs=0)) == ["programs=0 must be >= 1 (or None: one per SM)"]
 
 
 @pytest.mark.parametrize("head_dim,config", [
@@ -458,7 +459,7 @@ def test_mosaic_default_configs_lower_within_shared_memory(head_dim, config):
     """Mosaic GPU's lowering adds its own shared memory to the kernel's scratch and refuses a
     kernel over the device's 227 KiB (this check runs on CPU too); every config admission lets
     through must pass it. The defaults at D 256 and five slots of one warpgroup at D 128 are
-    within a KiB of the limit (an H200 run at 1f79188 failed at D 256 by 96 bytes)."""
+    within a KiB of the limit (an H200 run at 1a6e5ea failed at D 256 by 96 bytes)."""
     from pallas_kernels.decode_attention_mgpu import MosaicDecodeConfig, default_config, supports
 
     config = default_config(head_dim) if config is None else MosaicDecodeConfig(*config)
