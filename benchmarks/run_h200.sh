@@ -30,8 +30,9 @@ for stage in "$@"; do
   case "$stage" in
     evidence)
       python3 -m decodejax evidence --shape 8,8192,32,8,128,16 --out "$OUT" ;;
-    sweep)
-      python3 -m pytest -m gpu tests/test_decode_attention_gpu.py -k ten_thousand -q -p no:cacheprovider ;;
+    sweep)  # SWEEP_ONLY narrows it, e.g. SWEEP_ONLY=mosaic (the test ids name the backend and dtype)
+      python3 -m pytest -m gpu tests/test_decode_attention_gpu.py -k "ten_thousand${SWEEP_ONLY:+ and $SWEEP_ONLY}" -q \
+        -p no:cacheprovider ;;
     models)
       python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" tests/test_append_attention.py tests/test_llama_hf.py tests/test_engine.py ;;
     kernel)
