@@ -23,7 +23,10 @@ streams the split's key range [start, end) and writes the split's normalized par
 - Scores and the weighted sum are warpgroup MMAs (wgmma). wgmma's M is 64, so the G query rows
   of a K/V head ride in a 64-row operand: the wrapper pads them to `QUERY_ROWS` (a TMA tile of
   8 rows) and rows past 8 hold whatever shared memory held. Rows never mix in a matrix
-  product, so those rows only produce outputs nobody reads.
+  product, so those rows only produce outputs nobody reads. (Keys on the 64 rows instead,
+  S^T = K Q^T then O^T = V^T P^T, would waste nothing, but Mosaic GPU lowers neither form of
+  the second product: a 16-byte swizzle for 8 queries is refused, and with 16 queries the
+  shared-memory P^T's 32-byte swizzle must match V^T's 128.)
 - A block's pages are found through the page table: page index i of the block reads
   table[c, min(first_page + i, last_page)], where last_page holds the split's last key. Every
   copied page is therefore a page of this request, never past its table; positions outside
