@@ -101,7 +101,7 @@ class MosaicDecodeConfig:
 # Shared memory a block may use on the H100/H200 (227 KiB = 232,448 bytes), less what Mosaic GPU
 # adds: it rounds the scratch up to whole KiB, then adds 2 KiB (CompilerParams.
 # reduction_scratch_bytes) and 8 bytes a barrier (up to 128 barriers fit in the last KiB). The
-# lowering checks the sum (test_mosaic_default_configs_lower_within_shared_memory).
+# lowering checks the sum (test_admitted_mosaic_configs_lower_within_shared_memory).
 SHARED_MEMORY_BUDGET = 227 * 1024 - 2048 - 1024
 # Programs of an interpreted call: the interpreter runs them one at a time, and two of them
 # walk several work items each in the tests' small problems.

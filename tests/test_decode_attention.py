@@ -455,7 +455,7 @@ def test_mosaic_configs_must_fit_shared_memory():
 
 @pytest.mark.parametrize("head_dim,config", [
     (64, None), (128, None), (256, None), (128, (64, 5, 1)), (128, (64, 3, 3)), (256, (64, 2, 1))])
-def test_mosaic_default_configs_lower_within_shared_memory(head_dim, config):
+def test_admitted_mosaic_configs_lower_within_shared_memory(head_dim, config):
     """Mosaic GPU's lowering adds its own shared memory to the kernel's scratch and refuses a
     kernel over the device's 227 KiB (this check runs on CPU too); every config admission lets
     through must pass it. The defaults at D 256 and five slots of one warpgroup at D 128 are
