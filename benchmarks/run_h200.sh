@@ -65,7 +65,7 @@ for stage in "$@"; do
       mkdir -p "$OUT/ncu"
       export NCU=${NCU:-$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)}
       sections=(--section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats
-                --section WarpStateStats --section SchedulerStats)  # ~10 replay passes; --set full's 38 took 100+ s a case
+                --section WarpStateStats --section SchedulerStats)  # --set full (38 passes) took 100+ s a case, these ~110 s too
       for case in ${NCU_CASES:-B32_T4096 B128_T1024 B1_T32768 d64_B32_T4096}; do
         for backend in pallas_triton pallas_mosaic_gpu; do
           report="$OUT/ncu/$case.$backend"
