@@ -12,6 +12,7 @@
     python -m benchmarks.mosaic_probes launches OUT.json  # the host's cost of a call by its number of launches
     python -m benchmarks.mosaic_probes sync OUT.json      # waiting for a result asleep (block_until_ready) or spinning
     python -m benchmarks.mosaic_probes table_width OUT.json  # short requests in a page table sized for 8k tokens
+    python -m benchmarks.mosaic_probes programs OUT.json  # the persistent Mosaic kernel's program count
 
 `layout`: are strided page copies (NHD rows are H_kv * D apart) what holds the kernel back?
 `configs`: do configs small enough for two programs per SM (80 KiB of shared memory) beat the
@@ -48,6 +49,11 @@ its longest context (8,238 tokens in e2e_decode.py), and the slot capacity follo
 (three slots under the 4,096-token split cap), so a batch of short requests launches EMPTY
 programs and the merge; what does that cost against a table of the requests' own width, and
 against one slot on the wide table? Host clock and the kernels' GPU time (a trace of 20 calls).
+`programs`: the persistent Mosaic kernel deals its work items to one program per SM in a fixed
+order, which cannot balance a ragged batch (0.80x of the Triton kernel there, against 1.02x when
+each item was a program). With two or four programs per SM, programs wait for a free SM and the
+hardware scheduler balances again, at the cost of more pipeline fills: what does each count cost
+the uniform cases, and what does it win on the ragged one?
 """
 
 from __future__ import annotations
@@ -99,7 +105,7 @@ def _bottleneck_variants(k, v):
     default = dict(backend="pallas_mosaic_gpu")
     return {
         "mgpu/full": (default, k, v, {}),
-        "mgpu/wg=3,st=6": (dict(default, config=MosaicDecodeConfig(64, 6, 3)), k, v, {}),
+        "mgpu/wg=3,st=3": (dict(default, config=MosaicDecodeConfig(64, 3, 3)), k, v, {}),
         "mgpu/no_mma": (default, k, v, _without("mma")),
         "mgpu/no_softmax": (default, k, v, _without("softmax")),
         "mgpu/no_mma_no_softmax": (default, k, v, _without("mma", "softmax")),
@@ -282,9 +288,10 @@ def main(argv=None):
               "launches": ((1, 1024), (1, 4096)),
               "sync": ((1, 32768), (8, 8192), (32, 4096)),
               "plan_configs": (),
-              "table_width": ((128, 512), (64, 512), (32, 512), (128, 2048), (32, 2048), (8, 2048), (1, 2048))}[question]
+              "table_width": ((128, 512), (64, 512), (32, 512), (128, 2048), (32, 2048), (8, 2048), (1, 2048)),
+              "programs": ((1, 32768), (32, 4096), (128, 1024))}[question]
     cases = {"plans": list(bench_cases.CASES), "plan_configs": [c for c in bench_cases.CASES if c.name.startswith(
-        ("B8_", "B32_", "B64_", "ragged", "d64"))]}.get(question, [])
+        ("B8_", "B32_", "B64_", "ragged", "d64"))], "programs": bench_cases.selected("ragged_B32_T1-16384")}.get(question, [])
     for batch, length, *rest in shapes:
         head_dim, kv_heads = (rest + [128, 8][len(rest):])[:2]  # defaults: D 128, 8 K/V heads
         cases.append(bench_cases.Case(f"B{batch}_T{length}_D{head_dim}_Hkv{kv_heads}", batch, length, head_dim=head_dim,
@@ -312,6 +319,11 @@ def main(argv=None):
             for block_k, stages, warpgroups in ((64, 2, 1), (64, 2, 2), (64, 4, 2)):
                 config = MosaicDecodeConfig(block_k=block_k, num_stages=stages, compute_warpgroups=warpgroups)
                 variants[f"mgpu/bk={block_k},st={stages},wg={warpgroups}"] = (dict(backend="pallas_mosaic_gpu", config=config), k, v, {})
+        elif question == "programs":
+            sms = decodejax._ops._num_sms()
+            for per_sm in (1, 2, 4):
+                config = MosaicDecodeConfig(programs=per_sm * sms)
+                variants[f"mgpu/programs={per_sm}x{sms}"] = (dict(backend="pallas_mosaic_gpu", config=config), k, v, {})
         elif question == "profile":
             variants["mgpu/auto"] = (dict(backend="pallas_mosaic_gpu"), k, v, {})
         elif question == "dispatch":
