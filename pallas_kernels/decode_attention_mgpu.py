@@ -20,6 +20,10 @@ streams the split's key range [start, end) and writes the split's normalized par
   blocks, each with its own running state; at an item's end the others hand their states to
   the first through shared memory, which merges them in warpgroup order and writes the split's
   output through the same tile. The query tile is double-buffered where shared memory allows.
+- Block j of an item always goes to warpgroup j % compute_wgs: each item starts at a stream
+  position that is a multiple of compute_wgs (the positions in between pass through the ring
+  without copies). So an item's states merge in one order wherever it sits in its program's
+  stream, and deterministic mode stays batch-invariant.
 - Scores and the weighted sum are warpgroup MMAs (wgmma). wgmma's M is 64, so the G query rows
   of a K/V head ride in a 64-row operand: the wrapper pads them to `QUERY_ROWS` (a TMA tile of
   8 rows) and rows past 8 hold whatever shared memory held. Rows never mix in a matrix
@@ -262,6 +266,13 @@ def _decode_body(
         num_blocks = jnp.where(end > start, (end + block_k - 1) // block_k - first_block, 0)
         return b, h, s, start, end, first_block, num_blocks
 
+    def stream_positions(num_blocks):
+        """Positions an item takes in its program's block stream: its blocks, rounded up to a
+        multiple of compute_wgs so that block j of every item goes to warpgroup j % compute_wgs
+        (the states then merge in the same order wherever the item sits: batch invariance).
+        A position past the blocks is a no-op both sides step through."""
+        return (num_blocks + compute_wgs - 1) // compute_wgs * compute_wgs
+
     def block_pages(b, end, first_block, block):
         """Page ids of a block's copies (clamped to the split's last page, so always in the table)."""
         first = (first_block + block) * block_k // page_size
@@ -281,6 +292,11 @@ def _decode_body(
         for j, page in enumerate(pages):
             plgpu.copy_gmem_to_smem(page_rows(ref, page, h, offset, rows), ring.at[slot, pl.ds(j * rows, rows)], barriers.at[slot])
 
+    def release(slot, barriers):
+        """Completes a slot's phase without copies (a padding position of the stream)."""
+        for _ in range(pages_per_block):
+            plgpu.barrier_arrive(barriers.at[slot])
+
     @pl.when(wg == compute_wgs)
     def _producer():
         """The memory warpgroup: walks this program's work items and their blocks as one stream
@@ -297,14 +313,17 @@ def _decode_body(
                 pages = block_pages(b, end, first_block, j)  # table reads under the waits below
                 slot = lax.rem(g, num_stages)
                 block_start = (first_block + j) * block_k
-                refill = g >= num_stages  # the slot held block g - num_stages: wait until it is read
+                refill = g >= num_stages  # the slot held position g - num_stages: wait until it is read
+                padding = j >= num_blocks  # a position past the item's blocks: arrivals, no copies
                 pl.when(refill)(lambda: plgpu.barrier_wait(k_consumed_barriers.at[slot]))  # K is read before V
-                issue(pages, h, block_start, slot, k_ref, k_smem, k_barriers)
+                pl.when(padding)(lambda: release(slot, k_barriers))
+                pl.when(~padding)(lambda: issue(pages, h, block_start, slot, k_ref, k_smem, k_barriers))
                 pl.when(refill)(lambda: plgpu.barrier_wait(v_consumed_barriers.at[slot]))
-                issue(pages, h, block_start, slot, v_ref, v_smem, v_barriers)
+                pl.when(padding)(lambda: release(slot, v_barriers))
+                pl.when(~padding)(lambda: issue(pages, h, block_start, slot, v_ref, v_smem, v_barriers))
                 return g + 1
 
-            return lax.fori_loop(0, num_blocks, block, g)
+            return lax.fori_loop(0, stream_positions(num_blocks), block, g)
 
         stream_blocks = lax.fori_loop(0, my_items, item, 0)
         # The compute warpgroups arrive at every slot and query buffer they are done with; the
@@ -362,9 +381,10 @@ def _decode_body(
 
     @pl.when(wg < compute_wgs)
     def _consumer():
-        """A compute warpgroup: of each work item, the blocks whose stream index is wg modulo
-        compute_wgs (so each ring slot always feeds the same warpgroup); then the warpgroups'
-        states merge and warpgroup 0 writes the item's output."""
+        """A compute warpgroup: blocks j = wg, wg + compute_wgs, ... of each work item (items start
+        at stream positions that are multiples of compute_wgs, so each ring slot always feeds the
+        same warpgroup); then the warpgroups' states merge in warpgroup order and warpgroup 0
+        writes the item's output."""
         rows = q_smem.shape[1]
         reduced = plgpu.Layout.WGMMA.reduce(1)
 
@@ -372,7 +392,6 @@ def _decode_body(
             b, h, s, start, end, first_block, num_blocks = work_item(k)
             seq_len = seq_lens_ref[b]
             buffer = lax.rem(k, q_buffers)
-            first_mine = lax.rem(wg - lax.rem(g0, compute_wgs) + compute_wgs, compute_wgs)
             carry = (
                 _laid_out(jnp.zeros((rows, d), jnp.float32), plgpu.Layout.WGMMA, interpret=interpret),
                 _laid_out(jnp.full((rows,), -jnp.inf, jnp.float32), reduced, interpret=interpret),
@@ -381,12 +400,22 @@ def _decode_body(
             plgpu.barrier_wait(q_barriers.at[buffer])
             fold = functools.partial(step, q_tile=q_smem.at[buffer], g0=g0, start=start, end=end, first_block=first_block,
                                      q_pos=seq_len - 1, seq_len=seq_len)
-            mine = jnp.maximum(num_blocks - first_mine + compute_wgs - 1, 0) // compute_wgs
-            acc, m, l = lax.fori_loop(0, mine, lambda n, c: fold(first_mine + n * compute_wgs, c), carry)
+            mine = jnp.maximum(num_blocks - wg + compute_wgs - 1, 0) // compute_wgs
+            acc, m, l = lax.fori_loop(0, mine, lambda n, c: fold(wg + n * compute_wgs, c), carry)
             plgpu.barrier_arrive(q_free_barriers.at[buffer])
+            if compute_wgs > 1:  # this warpgroup's position past the item's blocks, if any, passes through
+
+                @pl.when(wg + mine * compute_wgs < stream_positions(num_blocks))
+                def _pass_padding():
+                    slot = lax.rem(g0 + wg + mine * compute_wgs, num_stages)
+                    plgpu.barrier_wait(k_barriers.at[slot])
+                    plgpu.barrier_arrive(k_consumed_barriers.at[slot])
+                    plgpu.barrier_wait(v_barriers.at[slot])
+                    plgpu.barrier_arrive(v_consumed_barriers.at[slot])
+
             if compute_wgs == 1:
                 write_output(acc, m, l, b, h, s)
-                return g0 + num_blocks
+                return g0 + stream_positions(num_blocks)
 
             @pl.when(wg > 0)
             def _hand_over():
@@ -411,7 +440,7 @@ def _decode_body(
                 write_output(*state, b, h, s)
                 plgpu.barrier_arrive(handoff_free_barrier)
 
-            return g0 + num_blocks
+            return g0 + stream_positions(num_blocks)
 
         lax.fori_loop(0, my_items, item, 0)
         if compute_wgs > 1:  # the last item's output has been copied out (observes that phase)
