@@ -325,13 +325,13 @@ def _decode_body(
 
             return lax.fori_loop(0, stream_positions(num_blocks), block, g)
 
-        stream_blocks = lax.fori_loop(0, my_items, item, 0)
+        stream_length = lax.fori_loop(0, my_items, item, 0)
         # The compute warpgroups arrive at every slot and query buffer they are done with; the
         # last arrivals, which no refill waited for, are waited for here (the interpreter checks
         # that every phase of a barrier is observed).
         for slot in range(num_stages):
 
-            @pl.when(slot < stream_blocks)
+            @pl.when(slot < stream_length)
             def _drain_slot(slot=slot):
                 plgpu.barrier_wait(k_consumed_barriers.at[slot])
                 plgpu.barrier_wait(v_consumed_barriers.at[slot])
