@@ -69,11 +69,9 @@ for stage in "$@"; do
       for case in ${NCU_CASES:-B32_T4096 B128_T1024 B1_T32768 d64_B32_T4096}; do
         for backend in pallas_triton pallas_mosaic_gpu; do
           report="$OUT/ncu/$case.$backend"
-          if [ ! -f "$report.ncu-rep" ]; then  # a report already in $OUT/ncu (an earlier call's) is kept
-            timeout 200 "$NCU" --clock-control none -k regex:decodejax --launch-skip 2 --launch-count 2 "${sections[@]}" -f \
-              -o "$report" python3 -m benchmarks.ncu_decode run "$case" "$backend" > "$report.log" 2>&1 \
-              || { echo "ncu $case $backend failed:"; tail -n 5 "$report.log"; continue; }
-          fi
+          timeout 200 "$NCU" --clock-control none -k regex:decodejax --launch-skip 2 --launch-count 2 "${sections[@]}" -f \
+            -o "$report" python3 -m benchmarks.ncu_decode run "$case" "$backend" > "$report.log" 2>&1 \
+            || { echo "ncu $case $backend failed:"; tail -n 5 "$report.log"; continue; }
           { "$NCU" --import "$report.ncu-rep" --csv --page details > "$report.details.csv" &&
             "$NCU" --import "$report.ncu-rep" --csv --page raw > "$report.raw.csv"; } \
             || { echo "ncu could not read $report.ncu-rep"; rm -f "$report.details.csv"; }

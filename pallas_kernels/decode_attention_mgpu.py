@@ -292,10 +292,16 @@ def _decode_body(
         for j, page in enumerate(pages):
             plgpu.copy_gmem_to_smem(page_rows(ref, page, h, offset, rows), ring.at[slot, pl.ds(j * rows, rows)], barriers.at[slot])
 
-    def release(slot, barriers):
-        """Completes a slot's phase without copies (a padding position of the stream)."""
-        for _ in range(pages_per_block):
-            plgpu.barrier_arrive(barriers.at[slot])
+    def fill(padding, pages, h, block_start, slot, ref, ring, barriers):
+        """Starts a position's copies into ring slot `slot`, or, at a padding position of the
+        stream, completes the slot's phase with arrivals and no copies."""
+
+        @pl.when(padding)
+        def _release():
+            for _ in range(pages_per_block):
+                plgpu.barrier_arrive(barriers.at[slot])
+
+        pl.when(~padding)(lambda: issue(pages, h, block_start, slot, ref, ring, barriers))
 
     @pl.when(wg == compute_wgs)
     def _producer():
@@ -316,11 +322,9 @@ def _decode_body(
                 refill = g >= num_stages  # the slot held position g - num_stages: wait until it is read
                 padding = j >= num_blocks  # a position past the item's blocks: arrivals, no copies
                 pl.when(refill)(lambda: plgpu.barrier_wait(k_consumed_barriers.at[slot]))  # K is read before V
-                pl.when(padding)(lambda: release(slot, k_barriers))
-                pl.when(~padding)(lambda: issue(pages, h, block_start, slot, k_ref, k_smem, k_barriers))
+                fill(padding, pages, h, block_start, slot, k_ref, k_smem, k_barriers)
                 pl.when(refill)(lambda: plgpu.barrier_wait(v_consumed_barriers.at[slot]))
-                pl.when(padding)(lambda: release(slot, v_barriers))
-                pl.when(~padding)(lambda: issue(pages, h, block_start, slot, v_ref, v_smem, v_barriers))
+                fill(padding, pages, h, block_start, slot, v_ref, v_smem, v_barriers)
                 return g + 1
 
             return lax.fori_loop(0, stream_positions(num_blocks), block, g)
@@ -390,6 +394,7 @@ def _decode_body(
 
         def item(k, g0):
             b, h, s, start, end, first_block, num_blocks = work_item(k)
+            next_g0 = g0 + stream_positions(num_blocks)
             seq_len = seq_lens_ref[b]
             buffer = lax.rem(k, q_buffers)
             carry = (
@@ -403,19 +408,18 @@ def _decode_body(
             mine = jnp.maximum(num_blocks - wg + compute_wgs - 1, 0) // compute_wgs
             acc, m, l = lax.fori_loop(0, mine, lambda n, c: fold(wg + n * compute_wgs, c), carry)
             plgpu.barrier_arrive(q_free_barriers.at[buffer])
-            if compute_wgs > 1:  # this warpgroup's position past the item's blocks, if any, passes through
-
-                @pl.when(wg + mine * compute_wgs < stream_positions(num_blocks))
-                def _pass_padding():
-                    slot = lax.rem(g0 + wg + mine * compute_wgs, num_stages)
-                    plgpu.barrier_wait(k_barriers.at[slot])
-                    plgpu.barrier_arrive(k_consumed_barriers.at[slot])
-                    plgpu.barrier_wait(v_barriers.at[slot])
-                    plgpu.barrier_arrive(v_consumed_barriers.at[slot])
-
-            if compute_wgs == 1:
+            if compute_wgs == 1:  # no padding positions, no states to hand over
                 write_output(acc, m, l, b, h, s)
-                return g0 + stream_positions(num_blocks)
+                return next_g0
+
+            @pl.when(g0 + wg + mine * compute_wgs < next_g0)
+            def _pass_padding():
+                """This warpgroup's position past the item's blocks passes through its slot."""
+                slot = lax.rem(g0 + wg + mine * compute_wgs, num_stages)
+                plgpu.barrier_wait(k_barriers.at[slot])
+                plgpu.barrier_arrive(k_consumed_barriers.at[slot])
+                plgpu.barrier_wait(v_barriers.at[slot])
+                plgpu.barrier_arrive(v_consumed_barriers.at[slot])
 
             @pl.when(wg > 0)
             def _hand_over():
@@ -440,7 +444,7 @@ def _decode_body(
                 write_output(*state, b, h, s)
                 plgpu.barrier_arrive(handoff_free_barrier)
 
-            return g0 + stream_positions(num_blocks)
+            return next_g0
 
         lax.fori_loop(0, my_items, item, 0)
         if compute_wgs > 1:  # the last item's output has been copied out (observes that phase)
@@ -495,6 +499,7 @@ def paged_decode_partials(
         extra["interpret"] = InterpretGPUParams(detect_races=True, out_of_bounds_reads="raise")
     copies_per_block = max(1, config.block_k // P)
     handoffs = max(1, config.compute_warpgroups - 1)  # the output goes through the first
+    q_buffers = config.q_buffers(D, q.dtype.itemsize)
     kernel = plgpu.kernel(
         body,
         out_type=(
@@ -502,12 +507,12 @@ def paged_decode_partials(
             jax.ShapeDtypeStruct((B, H_kv, S, QUERY_ROWS), jnp.float32),
         ),
         scratch_types=[
-            plgpu.SMEM((config.q_buffers(D, q.dtype.itemsize), WGMMA_ROWS, D), q.dtype, transforms=tiled),
+            plgpu.SMEM((q_buffers, WGMMA_ROWS, D), q.dtype, transforms=tiled),
             plgpu.SMEM(ring, k_pages.dtype, transforms=tiled),
             plgpu.SMEM(ring, v_pages.dtype, transforms=tiled),
             plgpu.SMEM((handoffs, WGMMA_ROWS, D), jnp.float32),
-            plgpu.Barrier(num_barriers=config.q_buffers(D, q.dtype.itemsize)),
-            plgpu.Barrier(num_arrivals=config.compute_warpgroups, num_barriers=config.q_buffers(D, q.dtype.itemsize)),
+            plgpu.Barrier(num_barriers=q_buffers),
+            plgpu.Barrier(num_arrivals=config.compute_warpgroups, num_barriers=q_buffers),
             plgpu.Barrier(num_arrivals=copies_per_block, num_barriers=config.num_stages),
             plgpu.Barrier(num_arrivals=copies_per_block, num_barriers=config.num_stages),
             plgpu.Barrier(num_barriers=config.num_stages),
