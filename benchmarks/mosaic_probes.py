@@ -324,6 +324,9 @@ def main(argv=None):
             for per_sm in (1, 2, 4):
                 config = MosaicDecodeConfig(programs=per_sm * sms)
                 variants[f"mgpu/programs={per_sm}x{sms}"] = (dict(backend="pallas_mosaic_gpu", config=config), k, v, {})
+            for name, patches in {"target_x2": plan_patches(target_scale=2), "target_x4": plan_patches(target_scale=4),
+                                  "max_split_1024": plan_patches(max_split_tokens=1024)}.items():  # more, smaller items
+                variants[f"mgpu/{name}"] = (dict(backend="pallas_mosaic_gpu"), k, v, patches)
         elif question == "profile":
             variants["mgpu/auto"] = (dict(backend="pallas_mosaic_gpu"), k, v, {})
         elif question == "dispatch":

@@ -2,7 +2,7 @@
 
 The partial-state contract of the Triton producer (`pallas_kernels.decode_attention`,
 `paged_decode(..., partial_states=True)`): each work item (request b, K/V head h, split slot s)
-streams the split's key range [start, end) and writes the split's normalized partial state
+streams the split's key range [start, end) and returns the split's normalized partial state
 (o, lse) in float32, EMPTY as (0, -inf). It takes the bounds as i32[B, S] inputs
 (`SplitPlan.bounds`) where the Triton kernel computes its own, and it moves data differently:
 
@@ -12,7 +12,9 @@ streams the split's key range [start, end) and writes the split's normalized par
   the Triton kernel's 2 programs per SM and 4.0 TB/s; benchmarks/results/ncu_decode.json). So
   `programs` programs (one per SM) each take every programs-th work item, and their producer
   treats the items' blocks as one stream: the next item's copies start while the current
-  item's last blocks are computed and its output written.
+  item's last blocks are computed and its output written. The items are dealt longest first
+  (`split_order`), and EMPTY splits are skipped, not written: the wrapper reads their slots as
+  (0, -inf) from the bounds.
 - Warpgroups specialize. A producer warpgroup copies K and V by TMA, one copy per page of a
   block of `block_k` tokens, into a ring of `num_stages` shared-memory slots (one barrier per
   slot counts the block's copies) and refills a slot's K, then its V, as soon as the compute
@@ -62,9 +64,6 @@ WGMMA_ROWS = 64  # the M of one warpgroup MMA: the padded query rows of a progra
 QUERY_ROWS = 8  # the G query rows of a K/V head padded to one shared-memory tile
 TILE_ROWS = 8  # rows of the (8, 64) shared-memory tiling wgmma reads
 SWIZZLE_BYTES = 128
-# Rows of a handed-over state tile past the QUERY_ROWS that are copied out (their acc rows are
-# padding), which carry the state's m and l, and the output's lse.
-M_ROW, L_ROW = QUERY_ROWS, QUERY_ROWS + 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,8 +89,13 @@ class MosaicDecodeConfig:
         q = q_buffers * WGMMA_ROWS * head_dim * itemsize
         ring = 2 * self.num_stages * self.block_k * head_dim * itemsize
         handoffs = max(1, self.compute_warpgroups - 1)
-        states = handoffs * WGMMA_ROWS * head_dim * 4  # m, l and the lse ride in rows nobody copies out
+        states = handoffs * WGMMA_ROWS * head_dim * 4 + self.row_vectors() * handoffs * WGMMA_ROWS * 4
         return q + ring + states
+
+    def row_vectors(self) -> int:
+        """Row vectors handed over per other warpgroup: m and l (the output's lse reuses the first);
+        with one compute warpgroup only the lse."""
+        return 2 if self.compute_warpgroups > 1 else 1
 
     def q_buffers(self, head_dim: int, itemsize: int) -> int:
         """Two query tiles (the next item's lands during the current one) when they fit, else one."""
@@ -103,10 +107,11 @@ class MosaicDecodeConfig:
 
 
 # Shared memory a block may use on the H100/H200 (227 KiB = 232,448 bytes), less what Mosaic GPU
-# adds: it rounds the scratch up to whole KiB, then adds 2 KiB (CompilerParams.
-# reduction_scratch_bytes) and 8 bytes a barrier (up to 128 barriers fit in the last KiB). The
-# lowering checks the sum (test_admitted_mosaic_configs_lower_within_shared_memory).
-SHARED_MEMORY_BUDGET = 227 * 1024 - 2048 - 1024
+# adds: it rounds the scratch up to whole KiB, then adds CompilerParams.reduction_scratch_bytes
+# (0 here: every reduction of the kernel stays inside a warp) and 8 bytes a barrier (up to 128
+# barriers fit in the last KiB). The lowering checks the sum
+# (test_admitted_mosaic_configs_lower_within_shared_memory).
+SHARED_MEMORY_BUDGET = 227 * 1024 - 1024
 # Programs of an interpreted call: the interpreter runs them one at a time, and two of them
 # walk several work items each in the tests' small problems.
 INTERPRET_PROGRAMS = 2
@@ -145,6 +150,23 @@ def supports(page_size: int, head_dim: int, group: int, dtype, config: MosaicDec
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         r.append(f"dtype={jnp.dtype(dtype).name}: bf16/fp16 only (wgmma)")
     return r
+
+
+def split_blocks(start, end, block_k: int):
+    """Blocks of block_k tokens a split [start, end) touches; 0 for an EMPTY split (end <= start)."""
+    return jnp.where(end > start, (end + block_k - 1) // block_k - start // block_k, 0)
+
+
+def split_order(split_start: jax.Array, split_end: jax.Array, block_k: int) -> jax.Array:
+    """i32[B * S]: the splits b * S + s, most blocks first (ties in index order).
+
+    A persistent program's time is the sum of its items', so the programs finish together only if
+    the long items are spread over them first. For the ragged benchmark batch (B 32, lengths 1 to
+    16,384; its plan computed on CPU for 132 programs) the busiest program got 1.59x the mean
+    blocks with the items dealt in (b, h, s) order, 1.42x in (s, b, h) order, and 1.04x longest
+    first, dealt back and forth. An XLA sort of B * S keys per call buys that."""
+    blocks = split_blocks(split_start, split_end, block_k).reshape(-1)
+    return jnp.argsort(-blocks, stable=True).astype(jnp.int32)
 
 
 def _scores(q_smem, k_slot, *, interpret: bool):
@@ -221,12 +243,14 @@ def _decode_body(
     cache_idx_ref,  # i32[B]
     start_ref,  # i32[B, S]
     end_ref,  # i32[B, S]
+    order_ref,  # i32[B * S]: the splits b * S + s, longest first
     o_ref,  # f32[B, H_kv, QUERY_ROWS, S, D]
     lse_ref,  # f32[B, H_kv, S, QUERY_ROWS]
     q_smem,  # [q_buffers, 64, D]: the query rows of the current (and next) work item
     k_smem,  # [num_stages, block_k, D]: the K/V ring
     v_smem,
-    o_smem,  # f32[max(1, W - 1), 64, D]: the other warpgroups' states (m, l in rows M_ROW, L_ROW); [0] then the output (lse in M_ROW)
+    o_smem,  # f32[max(1, W - 1), 64, D]: the other warpgroups' states; [0] then holds the output
+    ml_smem,  # f32[2, W - 1, 64]: their m and l, or f32[1, 1, 64] for W = 1; [0, 0] then holds the output's lse
     q_barriers,  # one per q buffer: its copy has landed
     q_free_barriers,  # one per q buffer: every compute warpgroup is done with it
     k_barriers,  # one per slot, counting the block's page copies
@@ -254,17 +278,21 @@ def _decode_body(
     d = q_smem.shape[-1]
     q_buffers = q_smem.shape[0]
     pages_per_block = max(1, block_k // page_size)
-    my_items = (num_items - program + programs - 1) // programs
+    rounds, last_round = divmod(num_items, programs)
+    my_items = rounds + jnp.where(rounds % 2 == 0, program < last_round, program >= programs - last_round).astype(jnp.int32)
 
     def work_item(k):
         """This program's k-th work item: (request b, K/V head h, split slot s) and the split's key
-        range [start, end), its first block and block count."""
-        w = program + k * programs
-        s, h, b = lax.rem(w, num_splits), lax.rem(w // num_splits, kv_heads), w // (num_splits * kv_heads)
+        range [start, end), its first block and block count (0: an EMPTY split, skipped).
+
+        The items, longest first (`split_order`), are dealt to the programs in rounds that go
+        back and forth: program p takes item p of even rounds and item programs - 1 - p of odd
+        ones, so every program gets a long item and a short one in turn."""
+        i = k * programs + jnp.where(k % 2 == 0, program, programs - 1 - program)
+        split = order_ref[i // kv_heads]
+        h, b, s = lax.rem(i, kv_heads), split // num_splits, lax.rem(split, num_splits)
         start, end = start_ref[b, s], end_ref[b, s]
-        first_block = start // block_k
-        num_blocks = jnp.where(end > start, (end + block_k - 1) // block_k - first_block, 0)
-        return b, h, s, start, end, first_block, num_blocks
+        return b, h, s, start, end, start // block_k, split_blocks(start, end, block_k)
 
     def stream_positions(num_blocks):
         """Positions an item takes in its program's block stream: its blocks, rounded up to a
@@ -309,11 +337,15 @@ def _decode_body(
         (block g of the stream goes to ring slot g % num_stages), so the next item's copies start
         while the compute warpgroups finish the current one."""
 
-        def item(k, g):
+        def item(k, carry):
+            g, live = carry  # stream position, live (non-EMPTY) items so far
             b, h, _, _, end, first_block, num_blocks = work_item(k)
-            buffer = lax.rem(k, q_buffers)
-            pl.when(k >= q_buffers)(lambda: plgpu.barrier_wait(q_free_barriers.at[buffer]))
-            plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem.at[buffer, pl.ds(0, QUERY_ROWS)], q_barriers.at[buffer])
+            buffer = lax.rem(live, q_buffers)
+
+            @pl.when(num_blocks > 0)
+            def _load_query():
+                pl.when(live >= q_buffers)(lambda: plgpu.barrier_wait(q_free_barriers.at[buffer]))
+                plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem.at[buffer, pl.ds(0, QUERY_ROWS)], q_barriers.at[buffer])
 
             def block(j, g):
                 pages = block_pages(b, end, first_block, j)  # table reads under the waits below
@@ -327,9 +359,9 @@ def _decode_body(
                 fill(padding, pages, h, block_start, slot, v_ref, v_smem, v_barriers)
                 return g + 1
 
-            return lax.fori_loop(0, stream_positions(num_blocks), block, g)
+            return lax.fori_loop(0, stream_positions(num_blocks), block, g), live + (num_blocks > 0).astype(jnp.int32)
 
-        stream_length = lax.fori_loop(0, my_items, item, 0)
+        stream_length, live_items = lax.fori_loop(0, my_items, item, (0, 0))
         # The compute warpgroups arrive at every slot and query buffer they are done with; the
         # last arrivals, which no refill waited for, are waited for here (the interpreter checks
         # that every phase of a barrier is observed).
@@ -341,7 +373,7 @@ def _decode_body(
                 plgpu.barrier_wait(v_consumed_barriers.at[slot])
 
         for buffer in range(q_buffers):
-            pl.when(buffer < my_items)(lambda buffer=buffer: plgpu.barrier_wait(q_free_barriers.at[buffer]))
+            pl.when(buffer < live_items)(lambda buffer=buffer: plgpu.barrier_wait(q_free_barriers.at[buffer]))
 
     def step(j, carry, *, q_tile, g0, start, end, first_block, q_pos, seq_len):
         """Folds block j of the item (block g0 + j of the stream) into this warpgroup's (acc, m, l)."""
@@ -370,13 +402,13 @@ def _decode_body(
         return acc, m_new, l
 
     def write_output(acc, m, l, b, h, s):
-        """The split's normalized state through o_smem[0] (o in rows 0 to 7, lse in row M_ROW);
-        returns once the copies have read it."""
+        """The split's normalized state through o_smem[0] and ml_smem[0, 0]; returns once the copies
+        have read them. (The lse has a buffer of its own: in jax 0.11.2 a 1-D copy out of a slice of
+        o_smem makes Mosaic GPU's layout inference fail on o_smem's 2-D stores.)"""
         valid = l > 0
         safe_l = jnp.where(valid, l, 1.0)
-        lse_smem = o_smem.at[0, M_ROW, pl.ds(0, WGMMA_ROWS)]
+        lse_smem = ml_smem.at[0, 0]
         o_smem[0] = jnp.where(_row_vector(valid, acc.shape), acc / _row_vector(safe_l, acc.shape), 0.0)
-        plgpu.commit_smem()  # a warpgroup barrier too: the tile's row M_ROW is written before the lse
         lse_smem[...] = jnp.where(valid, (m + jnp.log2(safe_l)) / LOG2_E, -jnp.inf)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(o_smem.at[0, pl.ds(0, QUERY_ROWS)], o_ref.at[b, h, :, s])
@@ -392,64 +424,64 @@ def _decode_body(
         rows = q_smem.shape[1]
         reduced = plgpu.Layout.WGMMA.reduce(1)
 
-        def item(k, g0):
+        def item(k, carry):
+            g0, live = carry  # stream position, live (non-EMPTY) items so far
             b, h, s, start, end, first_block, num_blocks = work_item(k)
-            next_g0 = g0 + stream_positions(num_blocks)
-            seq_len = seq_lens_ref[b]
-            buffer = lax.rem(k, q_buffers)
-            carry = (
-                _laid_out(jnp.zeros((rows, d), jnp.float32), plgpu.Layout.WGMMA, interpret=interpret),
-                _laid_out(jnp.full((rows,), -jnp.inf, jnp.float32), reduced, interpret=interpret),
-                _laid_out(jnp.zeros((rows,), jnp.float32), reduced, interpret=interpret),
-            )
-            plgpu.barrier_wait(q_barriers.at[buffer])
-            fold = functools.partial(step, q_tile=q_smem.at[buffer], g0=g0, start=start, end=end, first_block=first_block,
-                                     q_pos=seq_len - 1, seq_len=seq_len)
-            mine = jnp.maximum(num_blocks - wg + compute_wgs - 1, 0) // compute_wgs
-            acc, m, l = lax.fori_loop(0, mine, lambda n, c: fold(wg + n * compute_wgs, c), carry)
-            plgpu.barrier_arrive(q_free_barriers.at[buffer])
-            if compute_wgs == 1:  # no padding positions, no states to hand over
-                write_output(acc, m, l, b, h, s)
-                return next_g0
 
-            @pl.when(g0 + wg + mine * compute_wgs < next_g0)
-            def _pass_padding():
-                """This warpgroup's position past the item's blocks passes through its slot."""
-                slot = lax.rem(g0 + wg + mine * compute_wgs, num_stages)
-                plgpu.barrier_wait(k_barriers.at[slot])
-                plgpu.barrier_arrive(k_consumed_barriers.at[slot])
-                plgpu.barrier_wait(v_barriers.at[slot])
-                plgpu.barrier_arrive(v_consumed_barriers.at[slot])
+            @pl.when(num_blocks > 0)  # an EMPTY split writes nothing: the wrapper masks its slot
+            def _fold_and_write():
+                next_g0 = g0 + stream_positions(num_blocks)
+                seq_len = seq_lens_ref[b]
+                buffer = lax.rem(live, q_buffers)
+                carry = (
+                    _laid_out(jnp.zeros((rows, d), jnp.float32), plgpu.Layout.WGMMA, interpret=interpret),
+                    _laid_out(jnp.full((rows,), -jnp.inf, jnp.float32), reduced, interpret=interpret),
+                    _laid_out(jnp.zeros((rows,), jnp.float32), reduced, interpret=interpret),
+                )
+                plgpu.barrier_wait(q_barriers.at[buffer])
+                fold = functools.partial(step, q_tile=q_smem.at[buffer], g0=g0, start=start, end=end, first_block=first_block,
+                                         q_pos=seq_len - 1, seq_len=seq_len)
+                mine = jnp.maximum(num_blocks - wg + compute_wgs - 1, 0) // compute_wgs
+                acc, m, l = lax.fori_loop(0, mine, lambda n, c: fold(wg + n * compute_wgs, c), carry)
+                plgpu.barrier_arrive(q_free_barriers.at[buffer])
+                if compute_wgs == 1:  # no padding positions, no states to hand over
+                    write_output(acc, m, l, b, h, s)
+                    return
 
-            @pl.when(wg > 0)
-            def _hand_over():
-                pl.when(k > 0)(lambda: plgpu.barrier_wait(handoff_free_barrier))  # o_smem[0] held the last output
-                o_smem[wg - 1] = acc
-                plgpu.commit_smem()  # a warpgroup barrier: acc's rows M_ROW and L_ROW are written first
-                o_smem[wg - 1, M_ROW, pl.ds(0, WGMMA_ROWS)] = m
-                o_smem[wg - 1, L_ROW, pl.ds(0, WGMMA_ROWS)] = l
-                plgpu.barrier_arrive(handoff_barrier)
+                @pl.when(g0 + wg + mine * compute_wgs < next_g0)
+                def _pass_padding():
+                    """This warpgroup's position past the item's blocks passes through its slot."""
+                    slot = lax.rem(g0 + wg + mine * compute_wgs, num_stages)
+                    plgpu.barrier_wait(k_barriers.at[slot])
+                    plgpu.barrier_arrive(k_consumed_barriers.at[slot])
+                    plgpu.barrier_wait(v_barriers.at[slot])
+                    plgpu.barrier_arrive(v_consumed_barriers.at[slot])
 
-            @pl.when(wg == 0)
-            def _merge_and_write():
-                plgpu.barrier_wait(handoff_barrier)
-                state = (acc, m, l)
-                for other in range(compute_wgs - 1):  # in warpgroup order: the same sums every run
-                    state = _merge_states(*state,
-                                          _load(o_smem.at[other], plgpu.Layout.WGMMA, interpret=interpret, optimized=False),
-                                          _load(o_smem.at[other, M_ROW, pl.ds(0, WGMMA_ROWS)], reduced, interpret=interpret,
-                                                optimized=False),
-                                          _load(o_smem.at[other, L_ROW, pl.ds(0, WGMMA_ROWS)], reduced, interpret=interpret,
-                                                optimized=False))
-                write_output(*state, b, h, s)
-                plgpu.barrier_arrive(handoff_free_barrier)
+                @pl.when(wg > 0)
+                def _hand_over():
+                    pl.when(live > 0)(lambda: plgpu.barrier_wait(handoff_free_barrier))  # o_smem[0] held the last output
+                    o_smem[wg - 1] = acc
+                    ml_smem[0, wg - 1] = m
+                    ml_smem[1, wg - 1] = l
+                    plgpu.barrier_arrive(handoff_barrier)
 
-            return next_g0
+                @pl.when(wg == 0)
+                def _merge_and_write():
+                    plgpu.barrier_wait(handoff_barrier)
+                    state = (acc, m, l)
+                    for other in range(compute_wgs - 1):  # in warpgroup order: the same sums every run
+                        state = _merge_states(*state,
+                                              _load(o_smem.at[other], plgpu.Layout.WGMMA, interpret=interpret, optimized=False),
+                                              _load(ml_smem.at[0, other], reduced, interpret=interpret, optimized=False),
+                                              _load(ml_smem.at[1, other], reduced, interpret=interpret, optimized=False))
+                    write_output(*state, b, h, s)
+                    plgpu.barrier_arrive(handoff_free_barrier)
 
-        lax.fori_loop(0, my_items, item, 0)
+            return g0 + stream_positions(num_blocks), live + (num_blocks > 0).astype(jnp.int32)
+
+        _, live_items = lax.fori_loop(0, my_items, item, (0, 0))
         if compute_wgs > 1:  # the last item's output has been copied out (observes that phase)
-            pl.when(wg > 0)(lambda: plgpu.barrier_wait(handoff_free_barrier))
-
+            pl.when((wg > 0) & (live_items > 0))(lambda: plgpu.barrier_wait(handoff_free_barrier))
 
 @functools.partial(jax.jit, static_argnames=("layout", "sm_scale", "soft_cap", "mask", "config", "num_sms", "interpret"))
 def paged_decode_partials(
@@ -511,6 +543,7 @@ def paged_decode_partials(
             plgpu.SMEM(ring, k_pages.dtype, transforms=tiled),
             plgpu.SMEM(ring, v_pages.dtype, transforms=tiled),
             plgpu.SMEM((handoffs, WGMMA_ROWS, D), jnp.float32),
+            plgpu.SMEM((config.row_vectors(), handoffs, WGMMA_ROWS), jnp.float32),
             plgpu.Barrier(num_barriers=q_buffers),
             plgpu.Barrier(num_arrivals=config.compute_warpgroups, num_barriers=q_buffers),
             plgpu.Barrier(num_arrivals=copies_per_block, num_barriers=config.num_stages),
@@ -520,6 +553,7 @@ def paged_decode_partials(
             plgpu.Barrier(num_arrivals=handoffs),
             plgpu.Barrier(),
         ],
+        compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=0),  # SHARED_MEMORY_BUDGET counts none
         grid=(programs,),
         grid_names=("program",),
         num_threads=config.compute_warpgroups + 1,
@@ -527,7 +561,10 @@ def paged_decode_partials(
         kernel_name="decodejax_paged_decode_mgpu",
         **extra,
     )
-    o, lse = kernel(q_rows, k_pages, v_pages, page_table, seq_lens, cache_batch_idx, split_start, split_end)
-    o = o[:, :, :group].reshape(B, H_q, S, D)
-    lse = jnp.swapaxes(lse[..., :group], 2, 3).reshape(B, H_q, S)
+    o, lse = kernel(q_rows, k_pages, v_pages, page_table, seq_lens, cache_batch_idx, split_start, split_end,
+                    split_order(split_start, split_end, config.block_k))
+    # The kernel skips EMPTY splits: their slots hold whatever was there, and read as EMPTY here.
+    live = (split_end > split_start)[:, None, :]  # [B, 1, S]
+    o = jnp.where(live[..., None], o[:, :, :group].reshape(B, H_q, S, D), 0.0)
+    lse = jnp.where(live, jnp.swapaxes(lse[..., :group], 2, 3).reshape(B, H_q, S), -jnp.inf)
     return o, lse

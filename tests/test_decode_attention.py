@@ -472,13 +472,22 @@ def test_mosaic_configs_must_fit_shared_memory():
     assert supports(16, 128, 4, jnp.bfloat16, MosaicDecodeConfig(programs=0)) == ["programs=0 must be >= 1 (or None: one per SM)"]
 
 
+def test_mosaic_splits_are_dealt_longest_first():
+    from pallas_kernels.decode_attention_mgpu import split_order
+
+    start = jnp.array([[0, 64, 0], [0, 300, 300]], jnp.int32)
+    end = jnp.array([[64, 100, 0], [300, 300, 300]], jnp.int32)  # blocks of 64: [[1, 1, 0], [5, 0, 0]]
+    np.testing.assert_array_equal(np.asarray(split_order(start, end, 64)), [3, 0, 1, 2, 4, 5])
+
+
 @pytest.mark.parametrize("head_dim,config", [
-    (64, None), (128, None), (256, None), (128, (64, 5, 1)), (128, (64, 3, 3)), (256, (64, 2, 1))])
+    (64, None), (128, None), (256, None), (128, (64, 5, 1)), (128, (64, 3, 3)), (64, (128, 6, 2)), (256, (64, 2, 1))])
 def test_admitted_mosaic_configs_lower_within_shared_memory(head_dim, config):
     """Mosaic GPU's lowering adds its own shared memory to the kernel's scratch and refuses a
     kernel over the device's 227 KiB (this check runs on CPU too); every config admission lets
-    through must pass it. The defaults at D 256 and five slots of one warpgroup at D 128 are
-    within a KiB of the limit (an H200 run at 1a6e5ea failed at D 256 by 96 bytes)."""
+    through must pass it. The default at D 256, five slots of one warpgroup at D 128 and six
+    128-token slots at D 64 are within 2 KiB of the limit (an H200 run at 1a6e5ea failed at D 256
+    by 96 bytes)."""
     from pallas_kernels.decode_attention_mgpu import MosaicDecodeConfig, default_config, supports
 
     config = default_config(head_dim) if config is None else MosaicDecodeConfig(*config)
