@@ -483,6 +483,7 @@ def _decode_body(
         if compute_wgs > 1:  # the last item's output has been copied out (observes that phase)
             pl.when((wg > 0) & (live_items > 0))(lambda: plgpu.barrier_wait(handoff_free_barrier))
 
+
 @functools.partial(jax.jit, static_argnames=("layout", "sm_scale", "soft_cap", "mask", "config", "num_sms", "interpret"))
 def paged_decode_partials(
     q: jax.Array,  # [B, H_q, D]
