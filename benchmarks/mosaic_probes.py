@@ -13,6 +13,7 @@
     python -m benchmarks.mosaic_probes sync OUT.json      # waiting for a result asleep (block_until_ready) or spinning
     python -m benchmarks.mosaic_probes table_width OUT.json  # short requests in a page table sized for 8k tokens
     python -m benchmarks.mosaic_probes programs OUT.json  # the persistent Mosaic kernel's program count
+    python -m benchmarks.mosaic_probes compiler OUT.json  # Mosaic GPU's approximate math and lowering semantics
 
 `layout`: are strided page copies (NHD rows are H_kv * D apart) what holds the kernel back?
 `configs`: do configs small enough for two programs per SM (80 KiB of shared memory) beat the
@@ -53,7 +54,13 @@ against one slot on the wide table? Host clock and the kernels' GPU time (a trac
 order, which cannot balance a ragged batch (0.80x of the Triton kernel there, against 1.02x when
 each item was a program). With two or four programs per SM, programs wait for a free SM and the
 hardware scheduler balances again, at the cost of more pipeline fills: what does each count cost
-the uniform cases, and what does it win on the ragged one?
+the uniform cases, and what does it win on the ragged one? It also tries finer split plans.
+`compiler`: the Mosaic kernel issued 2.3x the Triton kernel's instructions (ncu_decode.json).
+Triton's exp2 is the approximate `ex2.approx.f32`; Mosaic GPU computes exp2, log2 and division
+exactly unless `CompilerParams(approx_math=True)`. jax 0.11 also lowers Pallas kernels with
+warpgroup semantics (layout inference) by default where jax 0.10 used lane semantics. What does
+each setting do to the kernel's time, and to its output (max abs difference from the Triton
+kernel's)?
 """
 
 from __future__ import annotations
@@ -97,6 +104,26 @@ def _without(*parts: str) -> dict:
     if "softmax" in parts:
         patches[(kernel, "_online_softmax")] = lambda scores, m, l: (scores, jnp.ones_like(m), m, l)
     return patches
+
+
+def _compiler_params(**overrides) -> dict:
+    """Patches {(module, name): replacement} that build the Mosaic kernel's CompilerParams with
+    `overrides` (approx_math, lowering_semantics)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    return {(plgpu, "CompilerParams"): functools.partial(plgpu.CompilerParams, **overrides)}
+
+
+def _compiler_variants(k, v):
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    mosaic, lane = dict(backend="pallas_mosaic_gpu"), plgpu.LoweringSemantics.Lane
+    return {
+        "mgpu/default": (mosaic, k, v, {}),
+        "mgpu/approx_math": (mosaic, k, v, _compiler_params(approx_math=True)),
+        "mgpu/lane": (mosaic, k, v, _compiler_params(lowering_semantics=lane)),
+        "mgpu/approx_math,lane": (mosaic, k, v, _compiler_params(approx_math=True, lowering_semantics=lane)),
+    }
 
 
 def _bottleneck_variants(k, v):
@@ -289,7 +316,8 @@ def main(argv=None):
               "sync": ((1, 32768), (8, 8192), (32, 4096)),
               "plan_configs": (),
               "table_width": ((128, 512), (64, 512), (32, 512), (128, 2048), (32, 2048), (8, 2048), (1, 2048)),
-              "programs": ((1, 32768), (32, 4096), (128, 1024))}[question]
+              "programs": ((1, 32768), (32, 4096), (128, 1024)),
+              "compiler": ((1, 32768), (32, 4096), (128, 1024), (32, 4096, 64))}[question]
     cases = {"plans": list(bench_cases.CASES), "plan_configs": [c for c in bench_cases.CASES if c.name.startswith(
         ("B8_", "B32_", "B64_", "ragged", "d64"))], "programs": bench_cases.selected("ragged_B32_T1-16384")}.get(question, [])
     for batch, length, *rest in shapes:
@@ -384,6 +412,8 @@ def main(argv=None):
             continue
         elif question == "bottleneck":
             variants.update(_bottleneck_variants(k, v))
+        elif question == "compiler":
+            variants.update(_compiler_variants(k, v))
         elif question == "plans":
             variants.update(_plan_variants(k, v))
         elif question == "plan_configs":
@@ -394,11 +424,16 @@ def main(argv=None):
             for splits in (1, 2, 4, 8, 16, 32):
                 if case.batch * case.kv_heads * splits <= 8 * 132 and case.max_len // splits >= 256:
                     variants[f"mgpu/splits={splits}"] = (dict(backend="pallas_mosaic_gpu", num_splits=splits), k, v, {})
+        triton_out = None
         for name, (options, k_pool, v_pool, patches) in variants.items():
             with patched(patches):
                 jax.clear_caches()  # traced again with (or without) the patches
                 fn = jax.jit(functools.partial(decodejax.decode_attention, **options))
                 stats = summarize(time_jax(fn, q, k_pool, v_pool, table, lens), bench_cases.kv_bytes(case))
+                if question == "compiler":  # triton/nhd comes first: the others against its output
+                    o = np.asarray(fn(q, k_pool, v_pool, table, lens), np.float32)
+                    triton_out = o if triton_out is None else triton_out
+                    stats["max_abs_diff_vs_triton"] = float(np.max(np.abs(o - triton_out)))
                 if question == "plans":  # as inside a jitted program: no dispatch per call
                     samples = evidence.timed_samples_in_program(fn, (q, k_pool, v_pool, table, lens), samples=10, calls=20)
                     stats |= {"in_program_samples_us": samples, "in_program_median_us": float(np.median(samples))}
@@ -407,7 +442,8 @@ def main(argv=None):
                 print(json.dumps(stats["profile"]["top"][:6]), flush=True)
             out[f"{case.name}/{name}"] = stats
             print(f"{case.name} {name} {stats['median_us']:.1f} us {stats['tbps_median']:.2f} TB/s"
-                  f" in-program {stats.get('in_program_median_us', float('nan')):.1f} us", flush=True)
+                  f" in-program {stats.get('in_program_median_us', float('nan')):.1f} us"
+                  f" vs Triton {stats.get('max_abs_diff_vs_triton', float('nan')):.2e}", flush=True)
         save()  # after every case: a run cut short still leaves what it measured
     save()
 

@@ -88,6 +88,28 @@ def test_plan_probe_patches_the_planner_rules_and_restores_them():
     assert (planning.decode_target_splits, planning.MAX_SPLIT_TOKENS) == rules and ragged_plan() == before
 
 
+def test_compiler_probe_patches_reach_the_mosaic_kernel(monkeypatch):
+    """mosaic_probes `compiler`: the patched CompilerParams is the one the Mosaic kernel lowers
+    with (approximate math on, the kernel's own reduction_scratch_bytes=0 kept), on CUDA here."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    import decodejax
+    from benchmarks.mosaic_probes import _compiler_params, patched
+
+    params, kernel = [], plgpu.kernel
+    monkeypatch.setattr(plgpu, "kernel", lambda *a, **kw: params.append(kw["compiler_params"]) or kernel(*a, **kw))
+    q = jax.ShapeDtypeStruct((2, 8, 64), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((16, 16, 2, 64), jnp.bfloat16)
+    table, lens = jax.ShapeDtypeStruct((2, 4), jnp.int32), jax.ShapeDtypeStruct((2,), jnp.int32)
+    with patched(_compiler_params(approx_math=True)), decodejax.dispatch.targeting("gpu", "9.0"):
+        step = jax.jit(lambda q, k, v, t, l: decodejax.decode_attention(q, k, v, t, l, backend="pallas_mosaic_gpu"))
+        step.trace(q, k, k, table, lens).lower(lowering_platforms=("cuda",))
+    assert [(p.approx_math, p.reduction_scratch_bytes) for p in params] == [(True, 0)]
+    assert plgpu.CompilerParams().approx_math is False  # restored
+
+
 def test_decode_benchmark_compares_gpu_time_with_flashinfers_events_and_host_clock_with_host_clock():
     """Our traced GPU span meets FlashInfer's CUDA events; our host-clock samples its host-clock ones."""
     from benchmarks.decode_attention import comparisons, gpu_time_table
