@@ -427,10 +427,10 @@ def _decode_body(
         def item(k, carry):
             g0, live = carry  # stream position, live (non-EMPTY) items so far
             b, h, s, start, end, first_block, num_blocks = work_item(k)
+            next_g0 = g0 + stream_positions(num_blocks)
 
             @pl.when(num_blocks > 0)  # an EMPTY split writes nothing: the wrapper masks its slot
             def _fold_and_write():
-                next_g0 = g0 + stream_positions(num_blocks)
                 seq_len = seq_lens_ref[b]
                 buffer = lax.rem(live, q_buffers)
                 carry = (
@@ -477,7 +477,7 @@ def _decode_body(
                     write_output(*state, b, h, s)
                     plgpu.barrier_arrive(handoff_free_barrier)
 
-            return g0 + stream_positions(num_blocks), live + (num_blocks > 0).astype(jnp.int32)
+            return next_g0, live + (num_blocks > 0).astype(jnp.int32)
 
         _, live_items = lax.fori_loop(0, my_items, item, (0, 0))
         if compute_wgs > 1:  # the last item's output has been copied out (observes that phase)
