@@ -139,7 +139,7 @@ def run_case(case, results, sweep: bool, tune: bool = False, ours_only: bool = F
     # The split slots merged in the kernel's own launch instead of by a second one (merge_states);
     # a plan of one slot has nothing to merge and runs the same single launch either way.
     config = default_config(case.head_dim)
-    plan = decodejax._ops.decode_plan(case.batch, case.kv_heads, table.shape[1] * case.page_size, config.block_k,
+    plan = decodejax._ops.decode_plan(case.batch, case.kv_heads, table.shape[1] * case.page_size, config.split_align,
                                       num_splits=None, deterministic=False, head_dim=case.head_dim)
     if plan.capacity > 1:
         record(FUSED_MERGE, ours(config=dataclasses.replace(config, fused_merge=True)), q, k, v, table, lens, gpu_span=True)
@@ -202,6 +202,8 @@ def main(argv=None):
     parser.add_argument("--tune", default="", help="comma-separated case names to sweep DecodeConfig on")
     parser.add_argument("--tune-mosaic", default="", help="comma-separated case names to sweep MosaicDecodeConfig on")
     parser.add_argument("--ours-only", action="store_true", help="time decodejax's default (auto) variants alone")
+    parser.add_argument("--no-sweep", action="store_true", help="leave out the split-count sweep (a side-by-side run that "
+                        "must fit one device call)")
     parser.add_argument("--in-program", action="store_true", help="also time REPS calls compiled into one program")
     args = parser.parse_args(argv)
     if args.report:
@@ -234,7 +236,7 @@ def main(argv=None):
     except Exception:
         pass
     for case in bench_cases.selected(args.cases):
-        run_case(case, results, sweep="target" in case.tags and not args.ours_only, tune=case.name in args.tune.split(","),
+        run_case(case, results, sweep="target" in case.tags and not (args.ours_only or args.no_sweep), tune=case.name in args.tune.split(","),
                  ours_only=args.ours_only, tune_mosaic=case.name in args.tune_mosaic.split(","), in_program=args.in_program)
         json.dump(results, open(args.out, "w"), indent=1)
     finish(results, args.flashinfer, args.out)

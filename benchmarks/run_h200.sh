@@ -46,7 +46,8 @@ for stage in "$@"; do
         PYTHONPATH=$PYTHONPATH:/tmp/site python3 -m benchmarks.peers.flashinfer_decode "$OUT/fi.json"
       fi
       peer=(); if [ -f "$OUT/fi.json" ]; then peer=(--flashinfer "$OUT/fi.json"); fi
-      XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m benchmarks.decode_attention --out "$OUT/decode_attention.json" "${peer[@]}" ;;
+      XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m benchmarks.decode_attention --out "$OUT/decode_attention.json" "${peer[@]}" \
+        ${KERNEL_ARGS:-} ;;  # e.g. KERNEL_ARGS=--no-sweep
     e2e)
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 python3 -m benchmarks.e2e_decode --pool-tokens "$E2E_POOL_TOKENS" \
         --context 2048,512,8192 --profile-steps 3 --out "$OUT/e2e_decode.json" ;;

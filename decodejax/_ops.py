@@ -97,9 +97,10 @@ def _validate_paged_args(q, k_pages, v_pages, page_table, seq_lens, cache_batch_
 
 
 def decode_plan(
-    batch: int, kv_heads: int, max_len: int, block_k: int, *, num_splits: int | None, deterministic: bool, head_dim: int = 128
+    batch: int, kv_heads: int, max_len: int, split_align: int, *, num_splits: int | None, deterministic: bool, head_dim: int = 128
 ) -> planning.SplitPlan:
-    """The split plan of one decode call: static (shapes only); its bounds follow the lengths."""
+    """The split plan of one decode call: static (shapes only); its bounds follow the lengths and fall on
+    multiples of `split_align` tokens (the kernel config's `split_align`)."""
     if deterministic:
         if num_splits is not None:
             raise ValueError(f"num_splits={num_splits} cannot be combined with deterministic=True (fixed chunks)")
@@ -107,12 +108,12 @@ def decode_plan(
         return planning.SplitPlan(1, capacity, policy="fixed_chunk", chunk=DETERMINISTIC_CHUNK)
     if num_splits is None:  # auto: the slots the shapes allow, used as the lengths need
         sms = _num_sms()
-        capacity = planning.decode_split_capacity(batch, kv_heads, max_len, block_k, sms, head_dim)
-        return planning.SplitPlan(capacity, capacity, align=block_k, target_splits=planning.decode_target_splits(kv_heads, sms, head_dim),
-                                  max_split_blocks=planning.split_cap_blocks(block_k))
+        capacity = planning.decode_split_capacity(batch, kv_heads, max_len, split_align, sms, head_dim)
+        return planning.SplitPlan(capacity, capacity, align=split_align, target_splits=planning.decode_target_splits(kv_heads, sms, head_dim),
+                                  max_split_blocks=planning.split_cap_blocks(split_align))
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-    return planning.SplitPlan(num_splits, num_splits, align=block_k)
+    return planning.SplitPlan(num_splits, num_splits, align=split_align)
 
 
 def decode_attention(
@@ -212,7 +213,8 @@ def _attention_pallas(q, k_pages, v_pages, page_table, seq_lens, *, layout, cach
     if config is not None and not isinstance(config, config_type):
         raise ValueError(f"config={config!r} does not configure this backend's kernel (a {config_type.__name__})")
     config = kernel.default_config(D) if config is None else config
-    plan = decode_plan(B, H_kv, page_table.shape[1] * P, config.block_k, num_splits=num_splits, deterministic=deterministic, head_dim=D)
+    plan = decode_plan(B, H_kv, page_table.shape[1] * P, config.split_align, num_splits=num_splits, deterministic=deterministic,
+                       head_dim=D)
     seq_lens, page_table = seq_lens.astype(jnp.int32), page_table.astype(jnp.int32)
     cache_rows = None if cache_batch_idx is None else cache_batch_idx.astype(jnp.int32)
     options = dict(layout=layout, sm_scale=sm_scale, soft_cap=None if soft_cap is None else float(soft_cap), mask=mask,

@@ -465,7 +465,7 @@ class DecodePlan:
         selected = select(key).backend
         proj = DecodePlan._projection(q, k_pages, page_table, layout, bucket_mode)
         split = _ops.decode_plan(proj["batch"], proj["num_kv_heads"], proj["table_width"] * proj["page_size"],
-                                 default_config(proj["head_dim"]).block_k, num_splits=num_splits, deterministic=deterministic,
+                                 default_config(proj["head_dim"]).split_align, num_splits=num_splits, deterministic=deterministic,
                                  head_dim=proj["head_dim"])
         return DecodePlan(**proj, split_capacity=split.capacity, backend=selected)
 

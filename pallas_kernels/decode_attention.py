@@ -62,6 +62,11 @@ class DecodeConfig:
     num_stages: int = 3
     fused_merge: bool = False
 
+    @property
+    def split_align(self) -> int:
+        """Tokens a split's bounds are multiples of: one block, so no block is shared by two splits."""
+        return self.block_k
+
 
 def default_config(head_dim: int) -> DecodeConfig:
     """Heuristic tiling: one K plus one V tile per stage near 64 KiB of shared memory.

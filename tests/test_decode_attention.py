@@ -161,10 +161,10 @@ class DecodeAttentionCases:
     plan_spec = Spec(batch=4, q_heads=16, kv_heads=8, head_dim=64, page_size=16, width=200)
     plan_lengths = (3200, 3100, 2900, 1500)
 
-    def block_k(self, head_dim: int) -> int:
+    def split_align(self, head_dim: int) -> int:
         from pallas_kernels.decode_attention import default_config
 
-        return default_config(head_dim).block_k
+        return default_config(head_dim).split_align
 
     @pytest.mark.parametrize("plan_options", [{}, {"num_splits": 3}, {"deterministic": True}, {"max_split_tokens": 128}],
                              ids=["auto", "splits=3", "deterministic", "auto_capped"])
@@ -181,7 +181,7 @@ class DecodeAttentionCases:
         args = to_device(problem, jnp.bfloat16)
         _, _, parts = decodejax.decode_attention(**args, return_lse=True, return_partial_states=True, backend=self.backend,
                                                  **plan_options)
-        plan = decodejax._ops.decode_plan(spec.batch, spec.kv_heads, spec.width * spec.page_size, self.block_k(spec.head_dim),
+        plan = decodejax._ops.decode_plan(spec.batch, spec.kv_heads, spec.width * spec.page_size, self.split_align(spec.head_dim),
                                           num_splits=plan_options.get("num_splits"),
                                           deterministic=plan_options.get("deterministic", False), head_dim=spec.head_dim)
         start, end = plan.bounds(np.asarray(problem["seq_lens"]))
@@ -189,7 +189,7 @@ class DecodeAttentionCases:
         if not plan_options and self.plan_spec is DecodeAttentionCases.plan_spec:  # the cases the kernel's batch sum serves
             assert plan.adapts_to_batch
             # The bounds without the rule under test (the cap where it binds, else the batch's total) differ.
-            capped = decodejax.planning.MAX_SPLIT_TOKENS <= self.block_k(spec.head_dim)
+            capped = decodejax.planning.MAX_SPLIT_TOKENS <= self.split_align(spec.head_dim)
             without = dataclasses.replace(plan, max_split_blocks=None) if capped else dataclasses.replace(
                 plan, target_splits=None, max_split_blocks=None)
             assert not np.array_equal(without.bounds(np.asarray(problem["seq_lens"]))[1], end)
@@ -295,10 +295,10 @@ class MosaicDecodeAttentionCases(DecodeAttentionCases):
         np.testing.assert_array_equal(np.asarray(together.o[2:]), np.asarray(alone.o))
         np.testing.assert_array_equal(np.asarray(together.lse[2:]), np.asarray(alone.lse))
 
-    def block_k(self, head_dim: int) -> int:
+    def split_align(self, head_dim: int) -> int:
         from pallas_kernels.decode_attention_mgpu import default_config
 
-        return default_config(head_dim).block_k
+        return default_config(head_dim).split_align
 
 
 class TestMosaicDecodeAttentionInterpret(MosaicDecodeAttentionCases):
