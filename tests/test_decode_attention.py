@@ -361,7 +361,7 @@ def test_bad_input_raises_value_error_naming_the_value(match, change):
         decodejax.decode_attention(q, k, k, table, lens, backend=change.get("backend", "pallas_triton_interpret"))
 
 
-def test_merge_states_kernel_matches_algebra_and_ignores_empty_slots():
+def test_merge_states_backends_match_algebra_and_ignore_empty_slots():
     rng = np.random.default_rng(10)
     o = rng.normal(size=(3, 5, 20, 64)).astype(np.float32)
     lse = (rng.normal(size=(3, 5, 20)) * 5).astype(np.float32)
@@ -373,6 +373,12 @@ def test_merge_states_kernel_matches_algebra_and_ignores_empty_slots():
     np.testing.assert_allclose(np.asarray(got_o), np.asarray(want_o), atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(np.asarray(got_lse), np.asarray(want_lse), atol=1e-5, rtol=1e-5)
     assert np.all(np.asarray(got_o)[0, 0] == 0) and np.asarray(got_lse)[0, 0] == -np.inf
+    # The XLA backend (one variadic reduction) against the algebra's three reductions.
+    algebra = decodejax.split_state.merge_lse_along(
+        decodejax.split_state.LseState(valid=jnp.asarray(lse) > -jnp.inf, lse=jnp.asarray(lse), o=jnp.asarray(o)), axis=-1)
+    np.testing.assert_allclose(np.asarray(want_o), np.asarray(algebra.o), atol=1e-6, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(want_lse), np.asarray(algebra.lse), atol=1e-6, rtol=1e-6)
+    assert np.all(np.asarray(want_o)[0, 0] == 0) and np.asarray(want_lse)[0, 0] == -np.inf
     # Appending EMPTY slots changes no bit.
     more_o = np.concatenate([o, np.zeros((3, 5, 4, 64), np.float32)], axis=2)
     more_lse = np.concatenate([lse, np.full((3, 5, 4), -np.inf, np.float32)], axis=2)
