@@ -429,13 +429,14 @@ def render_table(results) -> str:
             tri, mg = var[OURS], var[MOSAIC_AUTO]
             lines.append(f"| {name} | {tri['median_us']:.1f} / {tri['min_us']:.1f} | {mg['median_us']:.1f} / {mg['min_us']:.1f} | "
                          f"{mg['tbps_median']:.2f} | {tri['median_us'] / mg['median_us']:.2f}x |")
+    swept = {name: entry["variants"] for name, entry in results["cases"].items()
+             if any(k.startswith("decodejax/nhd/splits=") for k in entry["variants"])}
+    if not swept:  # a --no-sweep or --ours-only run
+        return "\n".join(lines)
     lines += ["", "Split-count sweep (decodejax, NHD), median us:", ""]
     header = "| case | " + " | ".join(f"S={s}" for s in SPLIT_SWEEP) + " | auto | deterministic |"
     lines += [header, "|" + "---|" * (len(SPLIT_SWEEP) + 3)]
-    for name, entry in results["cases"].items():
-        var = entry["variants"]
-        if not any(k.startswith("decodejax/nhd/splits=") for k in var):
-            continue
+    for name, var in swept.items():
         cells = [f"{var.get(f'decodejax/nhd/splits={s}', {}).get('median_us', float('nan')):.1f}" for s in SPLIT_SWEEP]
         cells += [f"{var.get(OURS, {}).get('median_us', float('nan')):.1f}", f"{var.get('decodejax/nhd/deterministic', {}).get('median_us', float('nan')):.1f}"]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")

@@ -138,6 +138,20 @@ def test_decode_benchmark_compares_gpu_time_with_flashinfers_events_and_host_clo
     assert rows[-1].startswith("| B1_T32768 | (72.0) |") and rows[-1].endswith("| 42.0 | n/a | n/a |")
 
 
+def test_decode_benchmark_table_has_a_split_sweep_only_when_the_run_swept():
+    """A --no-sweep run (one device call) renders no empty sweep table; a swept run renders its row."""
+    from benchmarks.decode_attention import render_table
+
+    stats = lambda median: {"median_us": median, "min_us": median - 1, "tbps_median": 1.0}
+    results = {"machine": {"device": "H200", "jax": "0.11.2", "python": "3.12"}, "date": "2026-11-30",
+               "method": {"samples": 30, "reps_per_sample": 50},
+               "cases": {"B32_T4096": {"case": {"tags": ["target"]}, "variants": {"decodejax/nhd/auto": stats(135.0)}}}}
+    assert "Split-count sweep" not in render_table(results)
+    results["cases"]["B32_T4096"]["variants"]["decodejax/nhd/splits=2"] = stats(140.0)
+    table = render_table(results)
+    assert "Split-count sweep" in table and "| B32_T4096 | nan | 140.0 |" in table
+
+
 def test_e2e_step_timing_splits_each_step_into_submit_and_fetch_and_restores_the_runner():
     """benchmarks.e2e_decode.timed_steps wraps the runner's submit and fetch for the timed steps
     only: each step's parts are its own, and the runner's methods are its own again afterwards."""
