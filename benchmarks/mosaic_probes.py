@@ -14,6 +14,7 @@
     python -m benchmarks.mosaic_probes table_width OUT.json  # short requests in a page table sized for 8k tokens
     python -m benchmarks.mosaic_probes programs OUT.json  # the persistent Mosaic kernel's program count
     python -m benchmarks.mosaic_probes compiler OUT.json  # Mosaic GPU's approximate math and lowering semantics
+    python -m benchmarks.mosaic_probes deal OUT.json      # the Mosaic path without its longest-first argsort
 
 `layout`: are strided page copies (NHD rows are H_kv * D apart) what holds the kernel back?
 `configs`: do configs small enough for two programs per SM (80 KiB of shared memory) beat the
@@ -61,6 +62,10 @@ exactly unless `CompilerParams(approx_math=True)`. jax 0.11 also lowers Pallas k
 warpgroup semantics (layout inference) by default where jax 0.10 used lane semantics. What does
 each setting do to the kernel's time, and to its output (max abs difference from the Triton
 kernel's)?
+`deal`: the persistent Mosaic kernel takes its items longest first, from an XLA argsort per call
+(its sort, iota and key kernels took 3 to 5 us of GPU time a call on the H200). What does the
+call cost with the items in (b, h, s) order instead (uniform batches: the same balance), and what
+does the ragged batch lose? Host clock and the kernels' GPU time (a trace of 20 calls).
 """
 
 from __future__ import annotations
@@ -124,6 +129,18 @@ def _compiler_variants(k, v):
         "mgpu/lane": (mosaic, k, v, _compiler_params(lowering_semantics=lane)),
         "mgpu/approx_math,lane": (mosaic, k, v, _compiler_params(approx_math=True, lowering_semantics=lane)),
     }
+
+
+def _deal_variants(k, v):
+    """The Mosaic path as it is, and with its items dealt in (b, h, s) order: no argsort."""
+    import jax.numpy as jnp
+
+    from pallas_kernels import decode_attention_mgpu as kernel
+
+    in_index_order = lambda split_start, split_end, block_k: jnp.arange(split_start.size, dtype=jnp.int32)
+    mosaic = dict(backend="pallas_mosaic_gpu")
+    return {"mgpu/longest_first": (mosaic, k, v, {}),
+            "mgpu/index_order": (mosaic, k, v, {(kernel, "split_order"): in_index_order})}
 
 
 def _bottleneck_variants(k, v):
@@ -317,9 +334,11 @@ def main(argv=None):
               "plan_configs": (),
               "table_width": ((128, 512), (64, 512), (32, 512), (128, 2048), (32, 2048), (8, 2048), (1, 2048)),
               "programs": ((1, 32768), (32, 4096), (128, 1024)),
-              "compiler": ((1, 32768), (32, 4096), (128, 1024), (32, 4096, 64))}[question]
+              "compiler": ((1, 32768), (32, 4096), (128, 1024), (32, 4096, 64)),
+              "deal": ((1, 32768), (8, 8192), (32, 4096), (128, 1024))}[question]
     cases = {"plans": list(bench_cases.CASES), "plan_configs": [c for c in bench_cases.CASES if c.name.startswith(
-        ("B8_", "B32_", "B64_", "ragged", "d64"))], "programs": bench_cases.selected("ragged_B32_T1-16384")}.get(question, [])
+        ("B8_", "B32_", "B64_", "ragged", "d64"))], "programs": bench_cases.selected("ragged_B32_T1-16384"),
+             "deal": bench_cases.selected("ragged_B32_T1-16384")}.get(question, [])
     for batch, length, *rest in shapes:
         head_dim, kv_heads = (rest + [128, 8][len(rest):])[:2]  # defaults: D 128, 8 K/V heads
         cases.append(bench_cases.Case(f"B{batch}_T{length}_D{head_dim}_Hkv{kv_heads}", batch, length, head_dim=head_dim,
@@ -414,6 +433,8 @@ def main(argv=None):
             variants.update(_bottleneck_variants(k, v))
         elif question == "compiler":
             variants.update(_compiler_variants(k, v))
+        elif question == "deal":
+            variants.update(_deal_variants(k, v))
         elif question == "plans":
             variants.update(_plan_variants(k, v))
         elif question == "plan_configs":
@@ -437,7 +458,7 @@ def main(argv=None):
                 if question == "plans":  # as inside a jitted program: no dispatch per call
                     samples = evidence.timed_samples_in_program(fn, (q, k_pool, v_pool, table, lens), samples=10, calls=20)
                     stats |= {"in_program_samples_us": samples, "in_program_median_us": float(np.median(samples))}
-            if question == "profile":
+            if question in ("profile", "deal"):
                 stats["profile"] = _device_activity(fn, q, k_pool, v_pool, table, lens)
                 print(json.dumps(stats["profile"]["top"][:6]), flush=True)
             out[f"{case.name}/{name}"] = stats

@@ -110,6 +110,41 @@ def test_compiler_probe_patches_reach_the_mosaic_kernel(monkeypatch):
     assert plgpu.CompilerParams().approx_math is False  # restored
 
 
+def test_deal_probe_deals_in_index_order_and_leaves_every_output_as_it_was():
+    """mosaic_probes `deal`: the patched order is what the Mosaic kernel is traced with (interpret
+    mode here), it differs from longest first on this batch, and an item's state does not depend
+    on which program takes it, so the outputs are bit for bit the longest-first run's."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import decodejax
+    from benchmarks.mosaic_probes import _deal_variants, patched
+    from pallas_kernels import decode_attention_mgpu as kernel
+    from tests.paged_problems import Spec, make_problem
+
+    spec = Spec(batch=3, q_heads=4, kv_heads=2, head_dim=64, page_size=16, width=12)
+    problem = make_problem(spec, np.random.default_rng(3), lengths=(180, 7, 64))
+    args = {name: jnp.asarray(x, jnp.bfloat16 if x.dtype == np.float32 else x.dtype) for name, x in problem.items()}
+    variants = _deal_variants(None, None)
+    deal = variants["mgpu/index_order"][3][(kernel, "split_order")]
+    plan = decodejax._ops.decode_plan(3, 2, spec.width * spec.page_size, kernel.default_config(64).split_align, num_splits=2,
+                                      deterministic=False, head_dim=64)
+    start, end = (jnp.asarray(x) for x in plan.bounds(problem["seq_lens"]))
+    np.testing.assert_array_equal(np.asarray(deal(start, end, 64)), np.arange(6))
+    assert not np.array_equal(np.asarray(kernel.split_order(start, end, 64)), np.arange(6))  # blocks [2, 1, 1, 0, 1, 0]
+    used, outputs = [], {}
+    for name, (options, *_, patches) in variants.items():
+        order = patches.get((kernel, "split_order"), kernel.split_order)
+        with patched({(kernel, "split_order"): lambda *a, order=order: used.append(order) or order(*a)}):
+            jax.clear_caches()  # traced again with the patch
+            outputs[name] = decodejax.decode_attention(**args, num_splits=2, return_lse=True,
+                                                       backend=options["backend"] + "_interpret")
+    assert used == [kernel.split_order, deal]
+    for a, b in zip(outputs["mgpu/longest_first"], outputs["mgpu/index_order"]):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
 def test_decode_benchmark_compares_gpu_time_with_flashinfers_events_and_host_clock_with_host_clock():
     """Our traced GPU span meets FlashInfer's CUDA events; our host-clock samples its host-clock ones."""
     from benchmarks.decode_attention import comparisons, gpu_time_table
