@@ -356,8 +356,9 @@ def _merge_xla(o, lse):
     identity = (jnp.float32(-jnp.inf), jnp.float32(0.0), jnp.float32(0.0))
     m, l, acc = jax.lax.reduce(triples, identity, combine, (o.ndim - 2,))
     valid = l > 0
-    merged_o = jnp.where(valid, acc / jnp.where(valid, l, 1.0), 0.0)
-    merged_lse = jnp.where(valid, m + jnp.log(jnp.where(valid, l, 1.0)), -jnp.inf)[..., 0]
+    safe_l = jnp.where(valid, l, 1.0)
+    merged_o = jnp.where(valid, acc / safe_l, 0.0)
+    merged_lse = jnp.where(valid, m + jnp.log(safe_l), -jnp.inf)[..., 0]
     return merged_o.astype(o.dtype), merged_lse
 
 
