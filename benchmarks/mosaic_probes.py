@@ -15,6 +15,7 @@
     python -m benchmarks.mosaic_probes programs OUT.json  # the persistent Mosaic kernel's program count
     python -m benchmarks.mosaic_probes compiler OUT.json  # Mosaic GPU's approximate math and lowering semantics
     python -m benchmarks.mosaic_probes deal OUT.json      # the Mosaic path without its longest-first argsort
+    python -m benchmarks.mosaic_probes in_program OUT.json  # calls inside one jitted program, as a model forward makes them
 
 `layout`: are strided page copies (NHD rows are H_kv * D apart) what holds the kernel back?
 `configs`: do configs small enough for two programs per SM (80 KiB of shared memory) beat the
@@ -66,6 +67,17 @@ kernel's)?
 (its sort, iota and key kernels took 3 to 5 us of GPU time a call on the H200). What does the
 call cost with the items in (b, h, s) order instead (uniform batches: the same balance), and what
 does the ragged batch lose? Host clock and the kernels' GPU time (a trace of 20 calls).
+`in_program`: back to back, B 1 is host-bound (the host's dispatch of a JAX call outlasts 39 us
+of GPU work), and the benchmark's in-program figure, which takes the host out, came out slower
+than back-to-back calls at every case (B 32: 153.9 against 135.0 us). That program calls the op
+on 50 slices of a stacked q: does slicing cost kernels, may the independent calls run
+concurrently (command buffers can keep independent launches as parallel graph nodes), and what
+do the program's single dispatch and sync add? Each backend's call back to back, in that
+program, in a program of 50 calls on distinct q arrays (no slicing), the same with the calls
+chained (each q passes an optimization barrier with the previous call's output, so the calls
+run in order as a model's layers do), and the chained program run five times per sample; with a
+trace of each program (GPU busy, idle and overlap per call).
+Run it once more with XLA_FLAGS=--xla_gpu_enable_command_buffer= to see the command buffers' part.
 """
 
 from __future__ import annotations
@@ -311,6 +323,57 @@ def _timeline(fn, args, keep: bool, calls: int = 50) -> tuple[dict, list]:
     return stream_timeline(planes, calls) | {"wall_us_per_call_traced": wall_ms * 1e3 / calls}, raw
 
 
+def separate_calls_program(fn, chained: bool):
+    """A jitted program that calls fn(q_i, *rest) once per q_i of a list of distinct arrays (no
+    slice or copy inside the program); chained: each call's q_i is tied by an optimization barrier
+    to the previous call's output, so the calls run one after another, as a model's layers do."""
+    import jax
+    from jax import lax
+
+    def program(qs, *rest):
+        outputs = []
+        for q in qs:
+            if chained and outputs:
+                _, q = lax.optimization_barrier((outputs[-1], q))
+            outputs.append(fn(q, *rest))
+        return outputs
+
+    return jax.jit(program)
+
+
+def _in_program_variants(fn, args, calls: int = 50) -> dict:
+    """Microseconds per call of fn: back to back; in one program of `calls` calls on slices of a
+    stacked q (evidence.timed_samples_in_program); on `calls` distinct q arrays, independent or
+    chained (the chained program also run five times per sample); with a trace of one run of
+    each program (GPU busy, idle and overlap per call)."""
+    import jax
+    import numpy as np
+
+    from benchmarks.cases import SAMPLES
+    from benchmarks.decode_attention import time_jax
+    from benchmarks.profile_summary import stream_timeline, traced
+    from decodejax import evidence
+
+    q, rest = args[0], args[1:]
+    programs = {  # name: (program, its arguments)
+        "program_copies": (jax.jit(lambda copies, *rest: [fn(copies[i], *rest) for i in range(calls)]),
+                           (jax.numpy.stack([q] * calls), *rest)),
+        "program_separate": (separate_calls_program(fn, chained=False), ([q + 0 for _ in range(calls)], *rest)),
+        "program_chained": (separate_calls_program(fn, chained=True), ([q + 0 for _ in range(calls)], *rest)),
+    }
+    out = {"back_to_back": time_jax(fn, *args),
+           "program_copies": evidence.timed_samples_in_program(fn, args, samples=SAMPLES, calls=calls)}
+    for name, reps in (("program_separate", 1), ("program_chained", 1), ("program_chained_x5", 5)):
+        program, program_args = programs[name.removesuffix("_x5")]
+        out[name] = [t / calls for t in evidence.timed_samples(program, program_args, samples=SAMPLES, reps=reps)]
+    summary = {name: {"median_us": float(np.median(v)), "min_us": float(np.min(v)), "samples_us": v} for name, v in out.items()}
+    for name, (program, program_args) in programs.items():
+        jax.block_until_ready(program(*program_args))
+        planes, _ = traced(lambda: jax.block_until_ready(program(*program_args)), python_tracer=False)
+        summary[name]["trace"] = stream_timeline(planes, calls)
+    return summary
+
+
 def main(argv=None):
     import jax
     import jax.numpy as jnp
@@ -335,7 +398,8 @@ def main(argv=None):
               "table_width": ((128, 512), (64, 512), (32, 512), (128, 2048), (32, 2048), (8, 2048), (1, 2048)),
               "programs": ((1, 32768), (32, 4096), (128, 1024)),
               "compiler": ((1, 32768), (32, 4096), (128, 1024), (32, 4096, 64)),
-              "deal": ((1, 32768), (8, 8192), (32, 4096), (128, 1024))}[question]
+              "deal": ((1, 32768), (8, 8192), (32, 4096), (128, 1024)),
+              "in_program": ((1, 32768), (8, 8192), (32, 4096), (128, 1024), (32, 4096, 64))}[question]
     cases = {"plans": list(bench_cases.CASES), "plan_configs": [c for c in bench_cases.CASES if c.name.startswith(
         ("B8_", "B32_", "B64_", "ragged", "d64"))], "programs": bench_cases.selected("ragged_B32_T1-16384"),
              "deal": bench_cases.selected("ragged_B32_T1-16384")}.get(question, [])
@@ -415,6 +479,16 @@ def main(argv=None):
                     out[key] = summary | {"median_us": float(np.median(samples)), "min_us": float(np.min(samples)), "samples_us": samples}
                     print(key, f"{out[key]['median_us']:.1f} us; GPU busy {summary['busy_us_per_step']:.1f} idle "
                           f"{summary['idle_us_per_step']:.1f} per call; gaps {summary['gaps_us']}", flush=True)
+            save()
+            continue
+        elif question == "in_program":
+            for backend in ("pallas_triton", "pallas_mosaic_gpu"):
+                fn = jax.jit(functools.partial(decodejax.decode_attention, backend=backend))
+                key = f"{case.name}/{backend}"
+                out[key] = _in_program_variants(fn, (q, k, v, table, lens))
+                print(key, {n: round(r["median_us"], 1) for n, r in out[key].items()},
+                      {n: {m: round(r["trace"][m], 1) for m in ("span_us_per_step", "busy_us_per_step", "idle_us_per_step")}
+                       for n, r in out[key].items() if "trace" in r}, flush=True)
             save()
             continue
         elif question == "table_width":
