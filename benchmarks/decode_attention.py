@@ -20,9 +20,12 @@ call's first dispatch after a sync costs the host several times a warm one
 calls. A span longer than the variant's host-clock time is not GPU time (the tracer's host cost
 starved the GPU) and `gpu_time` leaves it out. Ratios are given by both clocks (`comparisons`).
 
-Second figures, in the JSON only: FlashInfer's REPS runs in one CUDA graph (`graph_samples_us`)
-and, with --in-program, REPS of our calls compiled into one jitted program per sample
-(`in_program_samples_us`; one more compile per variant). Raw samples are microseconds per call.
+A third clock takes the host out altogether, as a jitted model forward does: `in_program`, the
+GPU time per call inside one jitted program of REPS calls chained one after another
+(`decodejax.evidence.chained_program`), PROGRAM_RUNS runs traced back to back, each run's span
+over REPS (`profile_summary.program_spans`), for our two default paths and the JAX peers' best;
+FlashInfer's counterpart is its REPS runs captured in one CUDA graph, timed by CUDA events
+around each replay (`graph_samples_us`). Raw samples are microseconds per call.
 Effective bandwidth is unique K/V bytes over the median time, against the H200's 4.8 TB/s
 datasheet figure.
 """
@@ -43,6 +46,7 @@ from benchmarks.cases import REPS, SAMPLES
 
 WARMUP = 3
 TRACED_SAMPLES = 10
+PROGRAM_RUNS = 20  # in-program samples: runs of one chained program of REPS calls, traced back to back
 DATASHEET_TBPS = 4.8
 SPLIT_SWEEP = (1, 2, 4, 8, 16, 32, 64)
 BUILTIN_K_SPLITS = (1, 2, 4, 8, 16)
@@ -63,10 +67,23 @@ def time_jax(fn, *args) -> list[float]:
 
 
 def time_in_program(fn, *args) -> list[float]:
-    """Microseconds per call, REPS calls compiled into one program per sample."""
+    """GPU microseconds per call inside one jitted program of REPS chained calls: PROGRAM_RUNS runs
+    of the program traced back to back (Python's tracer off), each run's span over REPS."""
+    import jax
+
+    from benchmarks.profile_summary import program_spans, traced
     from decodejax import evidence
 
-    return evidence.timed_samples_in_program(fn, args, samples=SAMPLES, calls=REPS, warmup=WARMUP)
+    program = evidence.chained_program(fn, REPS)
+    program_args = (evidence.distinct_copies(args[0], REPS), *args[1:])
+    jax.block_until_ready(program(*program_args))
+
+    def run():
+        for _ in range(PROGRAM_RUNS):
+            result = program(*program_args)
+        jax.block_until_ready(result)
+
+    return program_spans(traced(run, python_tracer=False)[0], PROGRAM_RUNS, REPS)
 
 
 def time_gpu_span(fn, *args) -> tuple[list[float], list[float]]:
@@ -86,13 +103,21 @@ def time_gpu_span(fn, *args) -> tuple[list[float], list[float]]:
     return [t["span_us_per_step"] for t in timelines], [t["busy_us_per_step"] for t in timelines]
 
 
+def in_program_stats(fn, args, nbytes) -> dict:
+    """{"in_program": statistics of time_in_program}, or {"in_program_error": why} (a program that
+    fails is recorded, and the variant's other figures stand)."""
+    try:
+        return {"in_program": summarize(time_in_program(fn, *args), nbytes)}
+    except Exception as exc:
+        return {"in_program_error": repr(exc)[:600]}
+
+
 def summarize(samples, nbytes):
     med, lo = float(np.median(samples)), float(np.min(samples))
     return {"samples_us": samples, "median_us": med, "min_us": lo, "tbps_median": nbytes / med / 1e6, "tbps_min_time": nbytes / lo / 1e6}
 
 
-def run_case(case, results, sweep: bool, tune: bool = False, ours_only: bool = False, tune_mosaic: bool = False,
-             in_program: bool = False):
+def run_case(case, results, sweep: bool, tune: bool = False, ours_only: bool = False, tune_mosaic: bool = False):
     import jax
     import jax.numpy as jnp
     from jax.experimental.pallas.ops.gpu import paged_attention as builtin
@@ -115,7 +140,7 @@ def run_case(case, results, sweep: bool, tune: bool = False, ours_only: bool = F
     ref_o = np.asarray(ref_o, np.float32)
     entry["reference_checksum"] = float(np.abs(ref_o).sum())
 
-    def record(name, fn, *args, gpu_span: bool = False):
+    def record(name, fn, *args, gpu_span: bool = False, in_program: bool = False):
         try:
             out = fn(*args)
             err = float(np.max(np.abs(np.asarray(out, np.float32) - ref_o)))
@@ -124,8 +149,7 @@ def run_case(case, results, sweep: bool, tune: bool = False, ours_only: bool = F
                 span, busy = time_gpu_span(fn, *args)
                 stats["gpu_span"], stats["gpu_busy"] = summarize(span, nbytes), summarize(busy, nbytes)
             if in_program:
-                samples = time_in_program(fn, *args)
-                stats |= {"in_program_samples_us": samples, "in_program_median_us": float(np.median(samples))}
+                stats |= in_program_stats(fn, args, nbytes)
             entry["variants"][name] = {"max_abs_err_vs_reference": err, **stats}
             print(f"{case.name:24s} {name:34s} {stats['median_us']:9.1f} us  {stats['tbps_median']:5.2f} TB/s  "
                   f"err {err:.2e}", flush=True)
@@ -134,8 +158,8 @@ def run_case(case, results, sweep: bool, tune: bool = False, ours_only: bool = F
             print(f"{case.name:24s} {name:34s} ERROR {repr(exc)[:200]}", flush=True)
 
     ours = lambda backend="pallas_triton", **kw: jax.jit(functools.partial(decodejax.decode_attention, backend=backend, **kw))
-    record(OURS, ours(), q, k, v, table, lens, gpu_span=True)
-    record(MOSAIC_AUTO, ours("pallas_mosaic_gpu"), q, k, v, table, lens, gpu_span=True)
+    record(OURS, ours(), q, k, v, table, lens, gpu_span=True, in_program=True)
+    record(MOSAIC_AUTO, ours("pallas_mosaic_gpu"), q, k, v, table, lens, gpu_span=True, in_program=True)
     # The split slots merged in the kernel's own launch instead of by a second one (merge_states);
     # a plan of one slot has nothing to merge and runs the same single launch either way.
     config = default_config(case.head_dim)
@@ -172,10 +196,15 @@ def run_case(case, results, sweep: bool, tune: bool = False, ours_only: bool = F
     k_h, v_h = jnp.transpose(k, (2, 0, 1, 3)), jnp.transpose(v, (2, 0, 1, 3))
     q_scaled = (q.astype(jnp.float32) * case.head_dim**-0.5).astype(jnp.bfloat16)
     width = table.shape[1]
+    builtins = {}
     for ks in BUILTIN_K_SPLITS:
         if width % ks == 0 and (width // ks) % min(8, width // ks) == 0:
             fn = jax.jit(functools.partial(builtin.paged_attention, k_splits=ks, pages_per_compute_block=min(8, width // ks)))
+            builtins[f"jax_builtin_pallas/k_splits={ks}"] = fn
             record(f"jax_builtin_pallas/k_splits={ks}", fn, q_scaled, k_h, v_h, table, lens, gpu_span=True)
+    best_builtin, _ = _best(entry["variants"], "jax_builtin_pallas/")
+    if best_builtin:  # in one program, the setting that was fastest back to back
+        entry["variants"][best_builtin] |= in_program_stats(builtins[best_builtin], (q_scaled, k_h, v_h, table, lens), nbytes)
     del k_h, v_h
 
     record("xla_gather_reference", jax.jit(lambda *a: reference.paged_decode(*a)[0].astype(jnp.bfloat16)), q, k, v, table, lens)
@@ -188,7 +217,7 @@ def run_case(case, results, sweep: bool, tune: bool = False, ours_only: bool = F
         o = jax.nn.dot_product_attention(q[:, None], k_c, v_c, key_value_seq_lengths=lens, implementation="cudnn")
         return o[:, 0]
 
-    record("cudnn_contiguous", jax.jit(cudnn), q, k_c, v_c, lens, gpu_span=True)
+    record("cudnn_contiguous", jax.jit(cudnn), q, k_c, v_c, lens, gpu_span=True, in_program=True)
 
 
 def main(argv=None):
@@ -204,7 +233,6 @@ def main(argv=None):
     parser.add_argument("--ours-only", action="store_true", help="time decodejax's default (auto) variants alone")
     parser.add_argument("--no-sweep", action="store_true", help="leave out the split-count sweep (a side-by-side run that "
                         "must fit one device call)")
-    parser.add_argument("--in-program", action="store_true", help="also time REPS calls compiled into one program")
     args = parser.parse_args(argv)
     if args.report:
         results = json.load(open(args.report))
@@ -224,9 +252,11 @@ def main(argv=None):
                    "samples_us": f"{REPS} back-to-back jitted calls per sample, then a sync",
                    "gpu_span": f"{TRACED_SAMPLES} profiler traces of {REPS} back-to-back calls: first kernel start to last kernel end, / {REPS}",
                    "gpu_busy": "the same traces: the kernels' time (the span less the GPU's idle gaps), / REPS",
-                   **({"in_program_samples_us": f"one jitted program of {REPS} calls per sample, then a sync"} if args.in_program else {}),
+                   "in_program": f"{PROGRAM_RUNS} runs of one jitted program of {REPS} chained calls, traced back to back: "
+                                 f"each run's first kernel start to last kernel end, / {REPS}",
                    "flashinfer": "flashinfer/: CUDA events around REPS back-to-back runs; flashinfer_wall/: perf_counter around "
-                                 "REPS runs and a sync, as ours; graph_samples_us: one CUDA graph of REPS runs"},
+                                 "REPS runs and a sync, as ours; graph_samples_us (its in_program): CUDA events around "
+                                 "each replay of one CUDA graph of REPS runs"},
         "cases": {},
     }
     try:
@@ -237,7 +267,7 @@ def main(argv=None):
         pass
     for case in bench_cases.selected(args.cases):
         run_case(case, results, sweep="target" in case.tags and not (args.ours_only or args.no_sweep), tune=case.name in args.tune.split(","),
-                 ours_only=args.ours_only, tune_mosaic=case.name in args.tune_mosaic.split(","), in_program=args.in_program)
+                 ours_only=args.ours_only, tune_mosaic=case.name in args.tune_mosaic.split(","))
         json.dump(results, open(args.out, "w"), indent=1)
     finish(results, args.flashinfer, args.out)
 
@@ -271,7 +301,7 @@ def finish(results, flashinfer_json: str | None, out_path: str) -> None:
                 if "samples_us" in raw:
                     entry["variants"][f"flashinfer/tensor_cores={tc}"] = {
                         **summarize(raw["samples_us"], entry["kv_bytes"]),
-                        **({"graph_samples_us": raw["graph_samples_us"], "graph_median_us": float(np.median(raw["graph_samples_us"]))}
+                        **({"in_program": summarize(raw["graph_samples_us"], entry["kv_bytes"])}
                            if "graph_samples_us" in raw else {"graph_error": raw.get("graph_error", "")}),
                         "abs_checksum": raw["out_checksum"],
                     }
@@ -283,7 +313,8 @@ def finish(results, flashinfer_json: str | None, out_path: str) -> None:
 
 
 PEERS = {"flashinfer": "flashinfer/", "flashinfer_wall": "flashinfer_wall/", "jax_builtin_pallas": "jax_builtin_pallas/", "cudnn_contiguous": "cudnn_contiguous", "xla_gather_reference": "xla_gather_reference"}
-# GPU time per call: FlashInfer's CUDA events against the JAX variants' traced spans
+# GPU time per call: FlashInfer's CUDA events (in one program: its CUDA graph's) against the JAX
+# variants' traced spans
 GPU_TIME_PEERS = {"flashinfer": "flashinfer/", "jax_builtin_pallas": "jax_builtin_pallas/", "cudnn_contiguous": "cudnn_contiguous"}
 
 
@@ -299,8 +330,8 @@ def gpu_time(name: str, variant: dict) -> dict:
 
 def comparisons(results) -> dict:
     """Speedup estimators of decodejax (auto, NHD) over each peer's best variant on the target
-    cases: by the host's clock (`host_clock`, every variant's samples_us) and by GPU time per call
-    (`gpu_time`: `gpu_time`'s figures).
+    cases: by the host's clock (`host_clock`, every variant's samples_us), by GPU time per call
+    (`gpu_time`: `gpu_time`'s figures) and inside one program (`in_program`).
 
     Rows go through decodejax.evidence.compare, which refuses rows that differ in scope, phase,
     metric, GPU, precision, workload or statistic.
@@ -326,7 +357,8 @@ def comparisons(results) -> dict:
         return {name: evidence.compare(peer_rows, ours) for name, peer_rows in rows.items() if peer_rows}
 
     return {"host_clock": estimators("kernel call (back-to-back calls, host clock)", PEERS, lambda name, v: v),
-            "gpu_time": estimators("GPU time per call (back-to-back calls)", GPU_TIME_PEERS, gpu_time)}
+            "gpu_time": estimators("GPU time per call (back-to-back calls)", GPU_TIME_PEERS, gpu_time),
+            "in_program": estimators("GPU time per call inside one program (FlashInfer: one CUDA graph)", GPU_TIME_PEERS, in_program)}
 
 
 def _best(variants, prefix, stats_of=lambda name, v: v):
@@ -339,16 +371,21 @@ def _best(variants, prefix, stats_of=lambda name, v: v):
     return name, timed[name]
 
 
-def gpu_time_table(results) -> list[str]:
-    """Markdown lines: GPU time per call of our call and the peers' (`gpu_time`), where traced."""
+def in_program(name: str, variant: dict) -> dict:
+    """A variant's statistics inside one program (FlashInfer: its CUDA graph's replays); {} if none."""
+    return variant.get("in_program", {})
+
+
+def _clock_table(results, stats_of, intro: str, fi_column: str, note_starved: bool) -> list[str]:
+    """Markdown lines: per case, our call and the peers' figures by one clock (`stats_of`)."""
     rows = []
     for name, entry in results["cases"].items():
         var = entry["variants"]
         span = var.get(OURS, {}).get("gpu_span")
-        if not span:
+        ours = stats_of(OURS, var.get(OURS, {}))
+        if not (ours or (note_starved and span)):
             continue
-        ours = gpu_time(OURS, var[OURS])
-        stats = {label: _best(var, prefix, gpu_time)[1] for label, prefix in
+        stats = {label: _best(var, prefix, stats_of)[1] for label, prefix in
                  (("mosaic", MOSAIC_AUTO), ("builtin", "jax_builtin_pallas/"), ("cudnn", "cudnn_contiguous"), ("fi", "flashinfer/"))}
         fmt = lambda v: f"{v['median_us']:.1f}" if v else "n/a"
         ratio = lambda peer: f"{peer['median_us'] / ours['median_us']:.2f}x" if peer and ours else "n/a"
@@ -357,13 +394,32 @@ def gpu_time_table(results) -> list[str]:
                     f"{fmt(stats['fi'])} | {ratio(stats['builtin'])} | {ratio(stats['fi'])} |")
     if not rows:
         return []
-    return ["", f"GPU time per call (us, median of {TRACED_SAMPLES} runs of {results['method']['reps_per_sample']} back-to-back "
-            "calls): ours and the JAX peers from a profiler trace of each run (first kernel's start to last kernel's end), "
-            "FlashInfer from CUDA events around its runs. Neither includes the host's first dispatch of a run or the final sync. "
-            "A traced span longer than the same calls' host-clock time is no GPU time (the tracer's host cost starved the GPU): "
-            "such a figure is left out (n/a), ours in parentheses.", "",
+    return ["", intro, "",
             "| case | decodejax (auto, NHD) med / min | TB/s | Mosaic GPU (auto) | JAX builtin Pallas (best) | cuDNN contiguous "
-            "| FlashInfer best (CUDA events) | ours vs builtin | ours vs FlashInfer |", "|---|---|---|---|---|---|---|---|---|", *rows]
+            f"| {fi_column} | ours vs builtin | ours vs FlashInfer |", "|---|---|---|---|---|---|---|---|---|", *rows]
+
+
+def gpu_time_table(results) -> list[str]:
+    """Markdown lines: GPU time per call of back-to-back calls, ours and the peers' (`gpu_time`), where traced."""
+    return _clock_table(
+        results, gpu_time,
+        f"GPU time per call (us, median of {TRACED_SAMPLES} runs of {results['method']['reps_per_sample']} back-to-back "
+        "calls): ours and the JAX peers from a profiler trace of each run (first kernel's start to last kernel's end), "
+        "FlashInfer from CUDA events around its runs. Neither includes the host's first dispatch of a run or the final sync. "
+        "A traced span longer than the same calls' host-clock time is no GPU time (the tracer's host cost starved the GPU): "
+        "such a figure is left out (n/a), ours in parentheses.",
+        "FlashInfer best (CUDA events)", note_starved=True)
+
+
+def in_program_table(results) -> list[str]:
+    """Markdown lines: GPU time per call inside one program (`in_program`), ours and the peers'."""
+    return _clock_table(
+        results, in_program,
+        f"GPU time per call inside one program (us, median of {PROGRAM_RUNS} runs): ours and the JAX peers as "
+        f"{results['method']['reps_per_sample']} calls chained in one jitted program (as a model's layers), from a trace "
+        "of the runs (each run's first kernel start to last kernel end); FlashInfer as the same number of runs captured "
+        "in one CUDA graph, from CUDA events around each replay. The host's dispatch is in neither.",
+        "FlashInfer best (CUDA graph)", note_starved=False)
 
 
 def render_table(results) -> str:
@@ -400,10 +456,11 @@ def render_table(results) -> str:
             f"{fmt(var.get('cudnn_contiguous'))} | {fmt(fw)}{setting(fw_name)} | {fmt(fi)}{setting(fi_name)} | "
             f"{ratio(bi)} | {ratio(fw)} | {ratio(fi)} |"
         )
-    lines += gpu_time_table(results)
+    lines += gpu_time_table(results) + in_program_table(results)
     if results.get("comparisons"):
         lines += ["", "Speedup of decodejax (auto) over each peer's best variant on the five target shapes "
-                  "(peer median / decodejax median; `decodejax.evidence.ratio_estimators`), by the host's clock and by GPU time:", "",
+                  "(peer median / decodejax median; `decodejax.evidence.ratio_estimators`), by the host's clock, by GPU time "
+                  "and by GPU time inside one program:", "",
                   "| timing | peer | arithmetic mean of ratios | ratio of summed times | geometric mean | max | per case |",
                   "|---|---|---|---|---|---|---|"]
         for timing, by_peer in results["comparisons"].items():

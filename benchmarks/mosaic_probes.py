@@ -323,29 +323,11 @@ def _timeline(fn, args, keep: bool, calls: int = 50) -> tuple[dict, list]:
     return stream_timeline(planes, calls) | {"wall_us_per_call_traced": wall_ms * 1e3 / calls}, raw
 
 
-def separate_calls_program(fn, chained: bool):
-    """A jitted program that calls fn(q_i, *rest) once per q_i of a list of distinct arrays (no
-    slice or copy inside the program); chained: each call's q_i is tied by an optimization barrier
-    to the previous call's output, so the calls run one after another, as a model's layers do."""
-    import jax
-    from jax import lax
-
-    def program(qs, *rest):
-        outputs = []
-        for q in qs:
-            if chained and outputs:
-                _, q = lax.optimization_barrier((outputs[-1], q))
-            outputs.append(fn(q, *rest))
-        return outputs
-
-    return jax.jit(program)
-
-
 def _in_program_variants(fn, args, calls: int = 50) -> dict:
     """Microseconds per call of fn: back to back; in one program of `calls` calls on slices of a
-    stacked q (evidence.timed_samples_in_program); on `calls` distinct q arrays, independent or
-    chained (the chained program also run five times per sample); with a trace of one run of
-    each program (GPU busy, idle and overlap per call)."""
+    stacked q (the benchmark's in-program timing until 33c536e); on `calls` distinct q arrays,
+    independent or chained (evidence.chained_program, also run five times per sample); with a
+    trace of one run of each program (GPU busy, idle and overlap per call)."""
     import jax
     import numpy as np
 
@@ -355,15 +337,15 @@ def _in_program_variants(fn, args, calls: int = 50) -> dict:
     from decodejax import evidence
 
     q, rest = args[0], args[1:]
+    copies = evidence.distinct_copies(q, calls)
     programs = {  # name: (program, its arguments)
-        "program_copies": (jax.jit(lambda copies, *rest: [fn(copies[i], *rest) for i in range(calls)]),
+        "program_copies": (jax.jit(lambda stacked, *rest: [fn(stacked[i], *rest) for i in range(calls)]),
                            (jax.numpy.stack([q] * calls), *rest)),
-        "program_separate": (separate_calls_program(fn, chained=False), ([q + 0 for _ in range(calls)], *rest)),
-        "program_chained": (separate_calls_program(fn, chained=True), ([q + 0 for _ in range(calls)], *rest)),
+        "program_separate": (jax.jit(lambda qs, *rest: [fn(q, *rest) for q in qs]), (copies, *rest)),
+        "program_chained": (evidence.chained_program(fn, calls), (copies, *rest)),
     }
-    out = {"back_to_back": time_jax(fn, *args),
-           "program_copies": evidence.timed_samples_in_program(fn, args, samples=SAMPLES, calls=calls)}
-    for name, reps in (("program_separate", 1), ("program_chained", 1), ("program_chained_x5", 5)):
+    out = {"back_to_back": time_jax(fn, *args)}
+    for name, reps in (("program_copies", 1), ("program_separate", 1), ("program_chained", 1), ("program_chained_x5", 5)):
         program, program_args = programs[name.removesuffix("_x5")]
         out[name] = [t / calls for t in evidence.timed_samples(program, program_args, samples=SAMPLES, reps=reps)]
     summary = {name: {"median_us": float(np.median(v)), "min_us": float(np.min(v)), "samples_us": v} for name, v in out.items()}

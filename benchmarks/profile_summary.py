@@ -3,6 +3,7 @@
     summary = traced_device_activity(run_n_steps, steps=N)  # or, for a trace of your own:
     summary = summarize_planes(load_planes(trace_dir), steps=N)
     timeline = stream_timeline(planes, steps=N)  # GPU busy and idle, and the host's traced work
+    spans = program_spans(planes, runs=R, calls=N)  # GPU time per call of each of R runs of one program
 
 `stream_timeline` answers what the sums cannot: whether the GPU waits between launches (the
 idle time from the first launch's start to the last one's end) and what the host's traced
@@ -57,23 +58,25 @@ def _percentile(sorted_values: list, q: float):
     return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))] if sorted_values else None
 
 
+def _stream_events(planes) -> list[tuple[int, int]]:
+    """(start ns, end ns) of every event on the GPU planes' stream lines, in start order."""
+    return sorted((e.start_ns, e.start_ns + e.duration_ns) for plane in planes if plane.name.startswith(DEVICE_PLANE_PREFIX)
+                  for line in plane.lines if line.name.startswith(STREAM_LINE_PREFIX) for e in line.events)
+
+
 def stream_timeline(planes, steps: int, top: int = 12) -> dict:
     """GPU busy and idle time per step over the traced stream events, and the host's traced work.
 
     `gaps_us` are the waits between one stream event's end and the next one's start, in start
     order over all GPU stream lines (a negative gap is an overlap); `idle_us_per_step` is the
     span from the first start to the last end less the busy time, per step."""
-    spans, host = [], collections.defaultdict(collections.Counter)
+    spans, host = _stream_events(planes), collections.defaultdict(collections.Counter)
     for plane in planes:
-        if plane.name.startswith(DEVICE_PLANE_PREFIX):
-            spans += [(e.start_ns, e.start_ns + e.duration_ns) for line in plane.lines
-                      if line.name.startswith(STREAM_LINE_PREFIX) for e in line.events]
-        elif plane.name.startswith(HOST_PLANE_PREFIX):
+        if plane.name.startswith(HOST_PLANE_PREFIX):
             for line in plane.lines:
                 for e in line.events:
                     if not e.name.startswith(PYTHON_EVENT_PREFIX):
                         host[line.name][e.name] += e.duration_ns
-    spans.sort()
     gaps = sorted(b[0] - a[1] for a, b in zip(spans, spans[1:]))
     busy = sum(end - start for start, end in spans)
     span = spans[-1][1] - spans[0][0] if spans else 0
@@ -88,6 +91,19 @@ def stream_timeline(planes, steps: int, top: int = 12) -> dict:
                     (("median", _percentile(gaps, 0.5)), ("p90", _percentile(gaps, 0.9)), ("max", gaps[-1] if gaps else None))},
         "host_us_per_step": {t: {name: ns / steps / 1e3 for name, ns in host[t].most_common(top)} for t in threads[:4]},
     }
+
+
+def program_spans(planes, runs: int, calls: int) -> list[float]:
+    """Microseconds per call of each of `runs` runs of one program that makes `calls` calls, traced
+    back to back: the stream events in start order cut into `runs` runs of equal count, each
+    run's first start to last end, over `calls`. The host's dispatch of a run and the GPU's wait
+    between runs are left out, as CUDA events around a CUDA graph's replays leave them out."""
+    events = _stream_events(planes)
+    if not events or len(events) % runs:
+        raise ValueError(f"{len(events)} GPU events do not split into runs={runs} runs of one program")
+    n = len(events) // runs
+    chunks = [events[i * n:(i + 1) * n] for i in range(runs)]
+    return [(max(end for _, end in chunk) - chunk[0][0]) / calls / 1e3 for chunk in chunks]
 
 
 def load_planes(trace_dir: str) -> list:

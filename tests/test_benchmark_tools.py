@@ -4,7 +4,7 @@ from types import SimpleNamespace as NS
 
 import pytest
 
-from benchmarks.profile_summary import stream_timeline, summarize_planes
+from benchmarks.profile_summary import program_spans, stream_timeline, summarize_planes
 
 
 def _line(name, *events):
@@ -50,6 +50,18 @@ def test_stream_timeline_splits_the_span_into_busy_and_idle_and_sums_host_work_b
     assert t["gaps_us"] == {"median": pytest.approx(5.0), "p90": pytest.approx(5.0), "max": pytest.approx(5.0)}  # -5 and 5
     assert t["host_us_per_step"] == {"python3": {"PjitFunction(decode)": pytest.approx(5.0)},
                                      "worker": {"ExecuteHelper": pytest.approx(1.0)}}
+
+
+def test_program_spans_cut_the_trace_into_runs_of_one_program_and_leave_the_gaps_between_them_out():
+    # two runs of a program of 2 calls (a kernel and a merge each): run 1 from 0 to 50 us, run 2
+    # from 80 to 120 us; the 30 us between them (the host's dispatch) counts in neither
+    stream = _timed_line("Stream #13(Compute)", ("k", 0, 20_000), ("m", 20_000, 5_000), ("k", 25_000, 20_000), ("m", 45_000, 5_000),
+                         ("k", 80_000, 15_000), ("m", 95_000, 5_000), ("k", 100_000, 15_000), ("m", 115_000, 5_000))
+    planes = [NS(name="/device:GPU:0", lines=[stream, _timed_line("XLA Ops", ("fusion.1", 0, 200_000))]),
+              NS(name="/host:CPU", lines=[_timed_line("python3", ("PjitFunction(program)", 60_000, 10_000))])]
+    assert program_spans(planes, runs=2, calls=2) == [pytest.approx(25.0), pytest.approx(20.0)]
+    with pytest.raises(ValueError, match="runs=3"):  # 8 events are not 3 runs of one program
+        program_spans(planes, runs=3, calls=2)
 
 
 def test_hopper_compile_reads_each_kernels_triton_ir_from_the_cuda_lowering():
@@ -146,8 +158,9 @@ def test_deal_probe_deals_in_index_order_and_leaves_every_output_as_it_was():
 
 
 def test_decode_benchmark_compares_gpu_time_with_flashinfers_events_and_host_clock_with_host_clock():
-    """Our traced GPU span meets FlashInfer's CUDA events; our host-clock samples its host-clock ones."""
-    from benchmarks.decode_attention import comparisons, gpu_time_table
+    """Our traced GPU span meets FlashInfer's CUDA events, our in-program span its CUDA graph's, and our
+    host-clock samples its host-clock ones."""
+    from benchmarks.decode_attention import comparisons, gpu_time_table, in_program_table
 
     stats = lambda median: {"median_us": median, "min_us": median - 1, "tbps_median": 1.0}
     variants = {
@@ -157,8 +170,12 @@ def test_decode_benchmark_compares_gpu_time_with_flashinfers_events_and_host_clo
         "flashinfer/tensor_cores=True": stats(127.0),  # CUDA events
         "flashinfer_wall/tensor_cores=True": stats(128.0),
     }
+    variants["decodejax/nhd/auto"]["in_program"] = stats(125.0)
+    variants["jax_builtin_pallas/k_splits=2"]["in_program"] = stats(238.0)  # the best back to back, then in one program
+    variants["flashinfer/tensor_cores=True"]["in_program"] = stats(126.0)  # its CUDA graph
     # B 1: host-bound under the trace (span above the untraced host-clock time): no GPU time
-    starved = {"decodejax/nhd/auto": stats(60.0) | {"gpu_span": stats(72.0)}, "flashinfer/tensor_cores=True": stats(42.0)}
+    starved = {"decodejax/nhd/auto": stats(60.0) | {"gpu_span": stats(72.0), "in_program": stats(39.0)},
+               "flashinfer/tensor_cores=True": stats(42.0) | {"in_program": stats(41.0)}}
     results = {"machine": {"device": "H200"}, "method": {"reps_per_sample": 50},
                "cases": {"B32_T4096": {"case": {"tags": ["target"]}, "variants": variants},
                          "B1_T32768": {"case": {"tags": ["target"]}, "variants": starved}}}
@@ -168,9 +185,14 @@ def test_decode_benchmark_compares_gpu_time_with_flashinfers_events_and_host_clo
     assert c["gpu_time"]["flashinfer"]["ratios"] == {"B32_T4096": pytest.approx(127 / 129)}
     assert c["gpu_time"]["jax_builtin_pallas"]["ratios"] == {"B32_T4096": pytest.approx(240 / 129)}
     assert "flashinfer_wall" not in c["gpu_time"]
+    assert c["in_program"]["flashinfer"]["ratios"] == {"B32_T4096": pytest.approx(126 / 125), "B1_T32768": pytest.approx(41 / 39)}
+    assert c["in_program"]["jax_builtin_pallas"]["ratios"] == {"B32_T4096": pytest.approx(238 / 125)}
     rows = gpu_time_table(results)
     assert rows[-2].startswith("| B32_T4096 | 129.0 / 128.0 |") and rows[-2].endswith("| 1.86x | 0.98x |")
     assert rows[-1].startswith("| B1_T32768 | (72.0) |") and rows[-1].endswith("| 42.0 | n/a | n/a |")
+    rows = in_program_table(results)
+    assert "CUDA graph" in rows[-4] and rows[-2].startswith("| B32_T4096 | 125.0 / 124.0 |") and rows[-2].endswith("| 238.0 | n/a | 126.0 | 1.90x | 1.01x |")
+    assert rows[-1].startswith("| B1_T32768 | 39.0 / 38.0 |") and rows[-1].endswith("| 41.0 | n/a | 1.05x |")
 
 
 def test_decode_benchmark_table_has_a_split_sweep_only_when_the_run_swept():

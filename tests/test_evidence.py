@@ -5,6 +5,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from decodejax import evidence
@@ -103,16 +104,21 @@ def test_committed_h200_bundle_reaches_the_top_and_matches_its_source():
             assert hashlib.sha256(shown.stdout).hexdigest() == link["sha256"], link["path"]
 
 
-def test_in_program_timing_makes_every_call_on_its_own_copy():
-    """Each sample is one program of `calls` calls; the copies keep XLA from sharing their work."""
+def test_in_program_timing_keeps_every_call_and_runs_them_in_order():
+    """A chained program keeps one call per copy after compilation (nothing merged or hoisted),
+    each call sees bit-identical inputs, and the timing gives one figure per sample."""
     import jax.numpy as jnp
 
-    first_args = []
-
     def fn(x, w):
-        first_args.append(x.shape)  # runs once per call while the program is traced
-        return x @ w
+        return jnp.tanh(x @ w)
 
-    samples = evidence.timed_samples_in_program(fn, (jnp.ones((4, 8)), jnp.ones((8, 2))), samples=3, calls=5, warmup=1)
-    assert first_args == [(4, 8)] * 5
+    x, w = jnp.arange(32.0).reshape(4, 8) / 7, jnp.ones((8, 2)) / 3
+    program = evidence.chained_program(fn, 5)
+    copies = evidence.distinct_copies(x, 5)
+    assert len({c.unsafe_buffer_pointer() for c in copies}) == 5
+    compiled = program.lower(copies, w).compile().as_text()
+    assert compiled.count(" dot(") == 5, compiled
+    outputs = program(copies, w)
+    assert len(outputs) == 5 and all(np.array_equal(np.asarray(o), np.asarray(fn(x, w))) for o in outputs)
+    samples = evidence.timed_samples_in_program(fn, (x, w), samples=3, calls=5, warmup=1, programs_per_sample=2)
     assert len(samples) == 3 and all(s > 0 for s in samples)
