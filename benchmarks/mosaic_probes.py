@@ -16,6 +16,7 @@
     python -m benchmarks.mosaic_probes compiler OUT.json  # Mosaic GPU's approximate math and lowering semantics
     python -m benchmarks.mosaic_probes deal OUT.json      # the Mosaic path without its longest-first argsort
     python -m benchmarks.mosaic_probes in_program OUT.json  # calls inside one jitted program, as a model forward makes them
+    python -m benchmarks.mosaic_probes triton_deal OUT.json  # the Triton kernel's programs longest split first, or in launch order
 
 `layout`: are strided page copies (NHD rows are H_kv * D apart) what holds the kernel back?
 `configs`: do configs small enough for two programs per SM (80 KiB of shared memory) beat the
@@ -78,11 +79,17 @@ chained (each q passes an optimization barrier with the previous call's output, 
 run in order as a model's layers do), and the chained program run five times per sample; with a
 trace of each program (GPU busy, idle and overlap per call).
 Run it once more with XLA_FLAGS=--xla_gpu_enable_command_buffer= to see the command buffers' part.
+`triton_deal`: the Triton kernel's programs take the requests longest split first
+(`DecodeConfig.longest_first`) when the plan has several slots. What does that win on the
+ragged batch, and what does ranking the batch in every program cost the uniform multi-slot
+cases (B 1, B 8, D 64; B 32 has one slot and is the control)? Host clock, and GPU time inside
+one program (`decode_attention.time_in_program`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import sys
@@ -363,7 +370,7 @@ def main(argv=None):
 
     import decodejax
     from benchmarks import cases as bench_cases
-    from benchmarks.decode_attention import summarize, time_jax
+    from benchmarks.decode_attention import summarize, time_in_program, time_jax
     from decodejax import KVLayout, evidence
     from pallas_kernels.decode_attention_mgpu import MosaicDecodeConfig
 
@@ -381,10 +388,12 @@ def main(argv=None):
               "programs": ((1, 32768), (32, 4096), (128, 1024)),
               "compiler": ((1, 32768), (32, 4096), (128, 1024), (32, 4096, 64)),
               "deal": ((1, 32768), (8, 8192), (32, 4096), (128, 1024)),
-              "in_program": ((1, 32768), (8, 8192), (32, 4096), (128, 1024), (32, 4096, 64))}[question]
+              "in_program": ((1, 32768), (8, 8192), (32, 4096), (128, 1024), (32, 4096, 64)),
+              "triton_deal": ((1, 32768), (8, 8192), (32, 4096), (32, 4096, 64))}[question]
     cases = {"plans": list(bench_cases.CASES), "plan_configs": [c for c in bench_cases.CASES if c.name.startswith(
         ("B8_", "B32_", "B64_", "ragged", "d64"))], "programs": bench_cases.selected("ragged_B32_T1-16384"),
-             "deal": bench_cases.selected("ragged_B32_T1-16384")}.get(question, [])
+             "deal": bench_cases.selected("ragged_B32_T1-16384"),
+             "triton_deal": bench_cases.selected("ragged_B32_T1-16384")}.get(question, [])
     for batch, length, *rest in shapes:
         head_dim, kv_heads = (rest + [128, 8][len(rest):])[:2]  # defaults: D 128, 8 K/V heads
         cases.append(bench_cases.Case(f"B{batch}_T{length}_D{head_dim}_Hkv{kv_heads}", batch, length, head_dim=head_dim,
@@ -491,6 +500,11 @@ def main(argv=None):
             variants.update(_compiler_variants(k, v))
         elif question == "deal":
             variants.update(_deal_variants(k, v))
+        elif question == "triton_deal":
+            from pallas_kernels.decode_attention import default_config
+
+            in_launch_order = dataclasses.replace(default_config(case.head_dim), longest_first=False)
+            variants["triton/launch_order"] = (dict(backend="pallas_triton", config=in_launch_order), k, v, {})
         elif question == "plans":
             variants.update(_plan_variants(k, v))
         elif question == "plan_configs":
@@ -511,6 +525,9 @@ def main(argv=None):
                     o = np.asarray(fn(q, k_pool, v_pool, table, lens), np.float32)
                     triton_out = o if triton_out is None else triton_out
                     stats["max_abs_diff_vs_triton"] = float(np.max(np.abs(o - triton_out)))
+                if question == "triton_deal":
+                    stats["in_program"] = summarize(time_in_program(fn, q, k_pool, v_pool, table, lens), bench_cases.kv_bytes(case))
+                    stats["in_program_median_us"] = stats["in_program"]["median_us"]
                 if question == "plans":  # as inside a jitted program: no dispatch per call
                     samples = evidence.timed_samples_in_program(fn, (q, k_pool, v_pool, table, lens), samples=10, calls=20)
                     stats |= {"in_program_samples_us": samples, "in_program_median_us": float(np.median(samples))}

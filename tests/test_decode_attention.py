@@ -478,6 +478,22 @@ def test_mosaic_configs_must_fit_shared_memory():
     assert supports(16, 128, 4, jnp.bfloat16, MosaicDecodeConfig(programs=0)) == ["programs=0 must be >= 1 (or None: one per SM)"]
 
 
+def test_triton_programs_take_every_item_once_longest_split_first():
+    """deal_longest_first maps the (B, H_kv, S) grid onto itself one to one; in launch order the
+    programs take the request with the longest first split first (ties in index order), each
+    request's slots then heads in turn."""
+    from pallas_kernels.decode_attention import deal_longest_first
+
+    batch, kv_heads, slots = 5, 3, 2
+    keys = jnp.array([128, 0, 512, 128, 384, -1, -1, -1], jnp.int32)  # padded to 8 lanes
+    deal = jax.jit(lambda b, h, s: deal_longest_first(keys, b, h, s, batch=batch, kv_heads=kv_heads, slots=slots))
+    launch_order = [(b, h, s) for s in range(slots) for h in range(kv_heads) for b in range(batch)]
+    dealt = [tuple(int(x) for x in deal(*program)) for program in launch_order]
+    assert sorted(dealt) == sorted(launch_order)
+    requests = [2, 4, 0, 3, 1]
+    assert dealt == [(b, h, s) for b in requests for s in range(slots) for h in range(kv_heads)]
+
+
 def test_mosaic_splits_are_dealt_longest_first():
     from pallas_kernels.decode_attention_mgpu import split_order
 
