@@ -52,7 +52,9 @@ overlapped decode), each with both waits. `table_width`: the engine's page table
 its longest context (8,238 tokens in e2e_decode.py), and the slot capacity follows that width
 (three slots under the 4,096-token split cap), so a batch of short requests launches EMPTY
 programs and the merge; what does that cost against a table of the requests' own width, and
-against one slot on the wide table? Host clock and the kernels' GPU time (a trace of 20 calls).
+against one slot on the wide table, and with the programs in launch order (the longest-first deal
+ranks the batch in every program, EMPTY ones too)? Host clock and the kernels' GPU time (a trace
+of 20 calls).
 `programs`: the persistent Mosaic kernel deals its work items to one program per SM in a fixed
 order, which cannot balance a ragged batch (0.80x of the Triton kernel there, against 1.02x when
 each item was a program). With two or four programs per SM, programs wait for a free SM and the
@@ -484,7 +486,11 @@ def main(argv=None):
             continue
         elif question == "table_width":
             wide = jnp.pad(table, ((0, 0), (0, E2E_TABLE_PAGES - table.shape[1])))
+            from pallas_kernels.decode_attention import default_config
+
+            in_launch_order = dataclasses.replace(default_config(case.head_dim), longest_first=False)
             for name, (width_table, options) in {"exact_width": (table, {}), "e2e_width": (wide, {}),
+                                                 "e2e_width/launch_order": (wide, dict(config=in_launch_order)),
                                                  "e2e_width/one_slot": (wide, dict(num_splits=1))}.items():
                 fn = jax.jit(functools.partial(decodejax.decode_attention, backend="pallas_triton", **options))
                 stats = summarize(time_jax(fn, q, k, v, width_table, lens), bench_cases.kv_bytes(case))
