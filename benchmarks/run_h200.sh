@@ -9,6 +9,7 @@
 #   sweep     the >= 10,000-row GPU correctness sweeps (Triton, Mosaic) per dtype -> gpu_sweep_<backend>_<dtype>.json
 #   models    append-attention GPU tests, then the model parity and engine tests with the GPU kernels in the loop
 #   kernel    FlashInfer (own process), then decodejax and the JAX peers -> fi.json, decode_attention.json
+#             (KERNEL_CASES: comma-separated case names for both; KERNEL_ARGS: more benchmark flags)
 #   e2e       llama3-8b engine decode, with a GPU-time profile per shape -> e2e_decode.json
 #   e2e_top_p the same with nucleus sampling (the steps add the sorting resample) -> e2e_decode_top_p.json
 #   peer      transformers generate on the e2e shapes (own process) -> hf.json
@@ -43,11 +44,11 @@ for stage in "$@"; do
         python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
       fi
       if [ -d /tmp/site/flashinfer ]; then
-        PYTHONPATH=$PYTHONPATH:/tmp/site python3 -m benchmarks.peers.flashinfer_decode "$OUT/fi.json"
+        PYTHONPATH=$PYTHONPATH:/tmp/site python3 -m benchmarks.peers.flashinfer_decode "$OUT/fi.json" ${KERNEL_CASES:-}
       fi
       peer=(); if [ -f "$OUT/fi.json" ]; then peer=(--flashinfer "$OUT/fi.json"); fi
       XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m benchmarks.decode_attention --out "$OUT/decode_attention.json" "${peer[@]}" \
-        ${KERNEL_ARGS:-} ;;  # e.g. KERNEL_ARGS=--no-sweep
+        ${KERNEL_CASES:+--cases $KERNEL_CASES} ${KERNEL_ARGS:-} ;;  # e.g. KERNEL_ARGS=--no-sweep, KERNEL_CASES=B1_T32768,B8_T8192
     e2e)
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 python3 -m benchmarks.e2e_decode --pool-tokens "$E2E_POOL_TOKENS" \
         --context 2048,512,8192 --profile-steps 3 --out "$OUT/e2e_decode.json" ;;

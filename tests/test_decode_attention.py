@@ -480,18 +480,23 @@ def test_mosaic_configs_must_fit_shared_memory():
 
 def test_triton_programs_take_every_item_once_longest_split_first():
     """deal_longest_first maps the (B, H_kv, S) grid onto itself one to one; in launch order the
-    programs take the request with the longest first split first (ties in index order), each
-    request's slots then heads in turn."""
+    programs take the request with the longest first split first, the requests of one key
+    together in launch order (slot, head, request), and a batch of equal keys keeps launch order."""
     from pallas_kernels.decode_attention import deal_longest_first
 
     batch, kv_heads, slots = 5, 3, 2
-    keys = jnp.array([128, 0, 512, 128, 384, -1, -1, -1], jnp.int32)  # padded to 8 lanes
-    deal = jax.jit(lambda b, h, s: deal_longest_first(keys, b, h, s, batch=batch, kv_heads=kv_heads, slots=slots))
     launch_order = [(b, h, s) for s in range(slots) for h in range(kv_heads) for b in range(batch)]
-    dealt = [tuple(int(x) for x in deal(*program)) for program in launch_order]
-    assert sorted(dealt) == sorted(launch_order)
-    requests = [2, 4, 0, 3, 1]
-    assert dealt == [(b, h, s) for b in requests for s in range(slots) for h in range(kv_heads)]
+
+    def dealt(keys):
+        deal = jax.jit(lambda b, h, s: deal_longest_first(jnp.array(keys, jnp.int32), b, h, s, batch=batch,
+                                                          kv_heads=kv_heads, slots=slots))
+        return [tuple(int(x) for x in deal(*program)) for program in launch_order]
+
+    got = dealt([128, 0, 512, 128, 384, -1, -1, -1])  # padded to 8 lanes
+    assert sorted(got) == sorted(launch_order)
+    alone = lambda b: [(b, h, s) for s in range(slots) for h in range(kv_heads)]
+    assert got == alone(2) + alone(4) + [(b, h, s) for s in range(slots) for h in range(kv_heads) for b in (0, 3)] + alone(1)
+    assert dealt([256] * batch + [-1] * 3) == launch_order
 
 
 def test_mosaic_splits_are_dealt_longest_first():
