@@ -10,10 +10,10 @@ any page size works:
     PAGED_NHD pool [num_pages, P, H_kv, D] -> flat row (page P + r) H_kv + h
     PAGED_HND pool [num_pages, H_kv, P, D] -> flat row (page H_kv + h) P + r
 
-With more than one slot, the programs of a batch (launched axis 0 first) take its requests
-longest split first (`deal_longest_first`; equal lengths keep launch order): the hardware
-starts programs in launch order as SMs free up, so the long splits start first and the short
-ones fill the tail.
+With more than one slot and `DecodeConfig.longest_first`, the programs of a batch (launched
+axis 0 first) take its requests longest split first (`deal_longest_first`; equal lengths keep
+launch order): the hardware starts programs in launch order as SMs free up, so the long splits
+start first and the short ones fill the tail.
 
 Loads of tokens outside [start, end) or invisible to the query (length, window, sinks) are
 masked, so they touch no memory: page tails, unused pages and the null page are never read.
@@ -59,7 +59,11 @@ class DecodeConfig:
       num_warps: Triton warps per program.
       num_stages: software-pipelining depth of the K/V loads.
       longest_first: with more than one split slot, the programs take the requests longest split
-        first (`deal_longest_first`) rather than in (s, h, b) launch order.
+        first (`deal_longest_first`) rather than in (s, h, b) launch order. Off by default: on
+        the H200 it took the ragged benchmark batch from 273.9 to 263.7 us of GPU time inside one
+        program (3.7% faster), but ranking the batch in every program cost uniform batches whose
+        tables leave most slots EMPTY (an engine's wide tables) 2.9 to 4.3 us a call at B 32 (T
+        2,048 and 512: 4% and 17%), and D 64 1.7 us (benchmarks/README.md, thirteenth session).
       fused_merge: with more than one split slot, merge them in the kernel's launch (the last
         program of a (request, K/V head) to finish merges) rather than in a second launch. Off
         by default: on the H200 the merging program's serial fold made the kernel 8 us slower
@@ -71,7 +75,7 @@ class DecodeConfig:
     num_warps: int = 4
     num_stages: int = 3
     fused_merge: bool = False
-    longest_first: bool = True
+    longest_first: bool = False
 
     @property
     def split_align(self) -> int:

@@ -196,14 +196,19 @@ def test_decode_benchmark_compares_gpu_time_with_flashinfers_events_and_host_clo
 
 
 def test_decode_benchmark_table_has_a_split_sweep_only_when_the_run_swept():
-    """A --no-sweep run (one device call) renders no empty sweep table; a swept run renders its row."""
+    """A --no-sweep run (one device call) renders no empty sweep table; a swept run renders its row.
+    The longest-first deal's table appears when its variant was timed in one program."""
     from benchmarks.decode_attention import render_table
 
     stats = lambda median: {"median_us": median, "min_us": median - 1, "tbps_median": 1.0}
     results = {"machine": {"device": "H200", "jax": "0.11.2", "python": "3.12"}, "date": "2026-11-30",
                "method": {"samples": 30, "reps_per_sample": 50},
                "cases": {"B32_T4096": {"case": {"tags": ["target"]}, "variants": {"decodejax/nhd/auto": stats(135.0)}}}}
-    assert "Split-count sweep" not in render_table(results)
+    assert "Split-count sweep" not in render_table(results) and "longest split first" not in render_table(results)
+    variants = results["cases"]["B32_T4096"]["variants"]
+    variants["decodejax/nhd/auto"]["in_program"] = stats(128.0)
+    variants["decodejax/nhd/auto/longest_first"] = stats(131.0) | {"in_program": stats(124.0)}
+    assert "| B32_T4096 | 135.0 | 128.0 | 131.0 | 124.0 |" in render_table(results)
     results["cases"]["B32_T4096"]["variants"]["decodejax/nhd/splits=2"] = stats(140.0)
     table = render_table(results)
     assert "Split-count sweep" in table and "| B32_T4096 | nan | 140.0 |" in table

@@ -237,6 +237,21 @@ class TritonDecodeAttentionCases(DecodeAttentionCases):
             np.testing.assert_array_equal(np.asarray(again[1]), np.asarray(lse))
 
 
+    @pytest.mark.parametrize("plan_options", [{}, {"num_splits": 3}, {"deterministic": True}], ids=["auto", "splits=3", "deterministic"])
+    def test_the_longest_first_deal_changes_no_bit(self, plan_options):
+        """`DecodeConfig.longest_first` changes which program computes an item, not what it
+        computes: the output and every slot's partial state are bitwise those of launch order,
+        on a batch of unequal lengths (one of them 0) and several slots."""
+        problem = make_problem(self.plan_spec, np.random.default_rng(13), lengths=[3200, 0, 2900, 700])
+        args = to_device(problem, jnp.bfloat16)
+        dealt = DecodeConfig(longest_first=True)
+        for partials in (False, True):
+            got = self.run(args, config=dealt, return_partial_states=partials, **plan_options)
+            want = self.run(args, return_partial_states=partials, **plan_options)
+            for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+                np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+
+
 class TestDecodeAttentionInterpret(TritonDecodeAttentionCases):
     backend = "pallas_triton_interpret"
 
