@@ -52,9 +52,10 @@ overlapped decode), each with both waits. `table_width`: the engine's page table
 its longest context (8,238 tokens in e2e_decode.py), and the slot capacity follows that width
 (three slots under the 4,096-token split cap), so a batch of short requests launches EMPTY
 programs and the merge; what does that cost against a table of the requests' own width, and
-against one slot on the wide table, and with the programs in launch order (the longest-first deal
-ranks the batch in every program, EMPTY ones too)? Host clock and the kernels' GPU time (a trace
-of 20 calls).
+against one slot on the wide table, and with the programs longest split first (the deal ranks
+the batch in every program, EMPTY ones too)? Host clock and the kernels' GPU time (a trace of 20
+calls). (Its results of ffcd19f and e71d9fa were taken while the deal was the default: there
+`e2e_width` is dealt and `e2e_width/launch_order` is not.)
 `programs`: the persistent Mosaic kernel deals its work items to one program per SM in a fixed
 order, which cannot balance a ragged batch (0.80x of the Triton kernel there, against 1.02x when
 each item was a program). With two or four programs per SM, programs wait for a free SM and the
@@ -80,12 +81,12 @@ program, in a program of 50 calls on distinct q arrays (no slicing), the same wi
 chained (each q passes an optimization barrier with the previous call's output, so the calls
 run in order as a model's layers do), and the chained program run five times per sample; with a
 trace of each program (GPU busy, idle and overlap per call).
-Run it once more with XLA_FLAGS=--xla_gpu_enable_command_buffer= to see the command buffers' part.
-`triton_deal`: the Triton kernel's programs take the requests longest split first
-(`DecodeConfig.longest_first`) when the plan has several slots. What does that win on the
-ragged batch, and what does ranking the batch in every program cost the uniform multi-slot
-cases (B 1, B 8, D 64; B 32 has one slot and is the control)? Host clock, and GPU time inside
-one program (`decode_attention.time_in_program`).
+`triton_deal`: with `DecodeConfig.longest_first` the Triton kernel's programs take the requests
+longest split first when the plan has several slots. What does that win on the ragged batch, and
+what does ranking the batch in every program cost the uniform multi-slot cases (B 1, B 8, D 64;
+B 32 has one slot and is the control)? Host clock, and GPU time inside one program
+(`decode_attention.time_in_program`). (Its results of 25a939d and e71d9fa were taken while the
+deal was the default: there `triton/nhd` is dealt and `triton/launch_order` is not.)
 """
 
 from __future__ import annotations
@@ -488,9 +489,9 @@ def main(argv=None):
             wide = jnp.pad(table, ((0, 0), (0, E2E_TABLE_PAGES - table.shape[1])))
             from pallas_kernels.decode_attention import default_config
 
-            in_launch_order = dataclasses.replace(default_config(case.head_dim), longest_first=False)
+            longest_first = dataclasses.replace(default_config(case.head_dim), longest_first=True)
             for name, (width_table, options) in {"exact_width": (table, {}), "e2e_width": (wide, {}),
-                                                 "e2e_width/launch_order": (wide, dict(config=in_launch_order)),
+                                                 "e2e_width/longest_first": (wide, dict(config=longest_first)),
                                                  "e2e_width/one_slot": (wide, dict(num_splits=1))}.items():
                 fn = jax.jit(functools.partial(decodejax.decode_attention, backend="pallas_triton", **options))
                 stats = summarize(time_jax(fn, q, k, v, width_table, lens), bench_cases.kv_bytes(case))
@@ -509,8 +510,8 @@ def main(argv=None):
         elif question == "triton_deal":
             from pallas_kernels.decode_attention import default_config
 
-            in_launch_order = dataclasses.replace(default_config(case.head_dim), longest_first=False)
-            variants["triton/launch_order"] = (dict(backend="pallas_triton", config=in_launch_order), k, v, {})
+            longest_first = dataclasses.replace(default_config(case.head_dim), longest_first=True)
+            variants["triton/longest_first"] = (dict(backend="pallas_triton", config=longest_first), k, v, {})
         elif question == "plans":
             variants.update(_plan_variants(k, v))
         elif question == "plan_configs":
