@@ -5,7 +5,10 @@
     python -m benchmarks.decode_attention --report benchmarks/results/decode_attention.json
 
 Each variant is timed as SAMPLES samples of REPS back-to-back calls followed by
-block_until_ready (`samples_us`, the host-clock figure of every table); FlashInfer runs under
+block_until_ready (`samples_us`, the host-clock figure of every table), the variants of a case
+taking their samples in turns once every one has been checked against the reference
+(`evidence.timed_samples_interleaved`: the host's speed drifts within a process, and in turns
+the drift reaches every variant alike); FlashInfer runs under
 PyTorch in its own process (benchmarks.peers.flashinfer_decode) on data built by the same
 `make_case`, timed the same way (`flashinfer_wall/`: perf_counter around REPS runs and a sync)
 and with CUDA events around other runs of REPS (`flashinfer/`: its GPU time, without the
@@ -141,19 +144,15 @@ def run_case(case, results, sweep: bool, tune: bool = False, ours_only: bool = F
     ref_o = np.asarray(ref_o, np.float32)
     entry["reference_checksum"] = float(np.abs(ref_o).sum())
 
+    pending = {}  # name: (fn, args, gpu_span, in_program): timed together once the case's variants are in
+
     def record(name, fn, *args, gpu_span: bool = False, in_program: bool = False):
+        """Checks a variant against the reference (compiling it) and queues it for `time_variants`."""
         try:
             out = fn(*args)
             err = float(np.max(np.abs(np.asarray(out, np.float32) - ref_o)))
-            stats = summarize(time_jax(fn, *args), nbytes)
-            if gpu_span:
-                span, busy = time_gpu_span(fn, *args)
-                stats["gpu_span"], stats["gpu_busy"] = summarize(span, nbytes), summarize(busy, nbytes)
-            if in_program:
-                stats |= in_program_stats(fn, args, nbytes)
-            entry["variants"][name] = {"max_abs_err_vs_reference": err, **stats}
-            print(f"{case.name:24s} {name:34s} {stats['median_us']:9.1f} us  {stats['tbps_median']:5.2f} TB/s  "
-                  f"err {err:.2e}", flush=True)
+            entry["variants"][name] = {"max_abs_err_vs_reference": err}
+            pending[name] = (fn, args, gpu_span, in_program)
         except Exception as exc:  # a peer that cannot run this shape is recorded, not hidden
             entry["variants"][name] = {"error": repr(exc)[:600]}
             print(f"{case.name:24s} {name:34s} ERROR {repr(exc)[:200]}", flush=True)
@@ -177,10 +176,10 @@ def run_case(case, results, sweep: bool, tune: bool = False, ours_only: bool = F
             cfg = MosaicDecodeConfig(block_k=bk, num_stages=stages, compute_warpgroups=wgs)
             record(f"decodejax/mgpu-nhd/tune/bk={bk},st={stages},wg={wgs}", ours("pallas_mosaic_gpu", config=cfg), q, k, v, table, lens)
     if ours_only:  # a re-measure of the default path alone (its peers are in an earlier run's file)
+        time_variants(case.name, entry, pending, nbytes)
         return
     k_hnd, v_hnd = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
     record("decodejax/hnd/auto", ours(layout=KVLayout.PAGED_HND), q, k_hnd, v_hnd, table, lens)
-    del k_hnd, v_hnd
     if sweep:
         for s in SPLIT_SWEEP:
             record(f"decodejax/nhd/splits={s}", ours(num_splits=s), q, k, v, table, lens)
@@ -205,10 +204,6 @@ def run_case(case, results, sweep: bool, tune: bool = False, ours_only: bool = F
             fn = jax.jit(functools.partial(builtin.paged_attention, k_splits=ks, pages_per_compute_block=min(8, width // ks)))
             builtins[f"jax_builtin_pallas/k_splits={ks}"] = fn
             record(f"jax_builtin_pallas/k_splits={ks}", fn, q_scaled, k_h, v_h, table, lens, gpu_span=True)
-    best_builtin, _ = _best(entry["variants"], "jax_builtin_pallas/")
-    if best_builtin:  # in one program, the setting that was fastest back to back
-        entry["variants"][best_builtin] |= in_program_stats(builtins[best_builtin], (q_scaled, k_h, v_h, table, lens), nbytes)
-    del k_h, v_h
 
     record("xla_gather_reference", jax.jit(lambda *a: reference.paged_decode(*a)[0].astype(jnp.bfloat16)), q, k, v, table, lens)
 
@@ -221,6 +216,36 @@ def run_case(case, results, sweep: bool, tune: bool = False, ours_only: bool = F
         return o[:, 0]
 
     record("cudnn_contiguous", jax.jit(cudnn), q, k_c, v_c, lens, gpu_span=True, in_program=True)
+    time_variants(case.name, entry, pending, nbytes)
+    best_builtin, _ = _best(entry["variants"], "jax_builtin_pallas/")
+    if best_builtin:  # in one program, the setting that was fastest back to back
+        entry["variants"][best_builtin] |= in_program_stats(builtins[best_builtin], (q_scaled, k_h, v_h, table, lens), nbytes)
+
+
+def time_variants(case_name: str, entry: dict, pending: dict, nbytes: int) -> None:
+    """Host-clock samples of every pending variant of a case, taken in turns (`timed_samples_interleaved`),
+    then the traced figures of those that ask for them, into entry["variants"]."""
+    from decodejax import evidence
+
+    calls = {name: (fn, args) for name, (fn, args, _, _) in pending.items()}
+    samples, errors = evidence.timed_samples_interleaved(calls, samples=SAMPLES, reps=REPS, warmup=WARMUP)
+    for name, (fn, args, gpu_span, in_program) in pending.items():
+        variant = entry["variants"][name]
+        if name in errors:
+            variant["error"] = errors[name]
+            print(f"{case_name:24s} {name:34s} ERROR {errors[name][:200]}", flush=True)
+            continue
+        variant |= summarize(samples[name], nbytes)
+        if gpu_span:
+            try:
+                span, busy = time_gpu_span(fn, *args)
+                variant["gpu_span"], variant["gpu_busy"] = summarize(span, nbytes), summarize(busy, nbytes)
+            except Exception as exc:  # the host-clock figures stand
+                variant["gpu_span_error"] = repr(exc)[:600]
+        if in_program:
+            variant |= in_program_stats(fn, args, nbytes)
+        print(f"{case_name:24s} {name:34s} {variant['median_us']:9.1f} us  {variant['tbps_median']:5.2f} TB/s  "
+              f"err {variant['max_abs_err_vs_reference']:.2e}", flush=True)
 
 
 def main(argv=None):
@@ -252,7 +277,8 @@ def main(argv=None):
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": {"device": jax.devices()[0].device_kind, "platform": platform.platform(), "python": platform.python_version(), "jax": jax.__version__},
         "method": {"samples": SAMPLES, "reps_per_sample": REPS, "warmup": WARMUP, "unit": "microseconds per call", "datasheet_tbps": DATASHEET_TBPS,
-                   "samples_us": f"{REPS} back-to-back jitted calls per sample, then a sync",
+                   "samples_us": f"{REPS} back-to-back jitted calls per sample, then a sync; the variants of a case take "
+                                 "their samples in turns (one each, round after round)",
                    "gpu_span": f"{TRACED_SAMPLES} profiler traces of {REPS} back-to-back calls: first kernel start to last kernel end, / {REPS}",
                    "gpu_busy": "the same traces: the kernels' time (the span less the GPU's idle gaps), / REPS",
                    "in_program": f"{PROGRAM_RUNS} runs of one jitted program of {REPS} chained calls, traced back to back: "

@@ -114,6 +114,15 @@ def source_identity() -> dict:
 REPS_PER_SAMPLE, WARMUP_CALLS = 10, 3
 
 
+def _timed_sample(fn, args, reps: int) -> float:
+    """Microseconds per call of `reps` back-to-back calls, then one sync."""
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        result = fn(*args)
+    jax.block_until_ready(result)
+    return (time.perf_counter() - t0) * 1e6 / reps
+
+
 def timed_samples(fn, args, *, samples: int, reps: int = REPS_PER_SAMPLE, warmup: int = WARMUP_CALLS) -> list[float]:
     """Microseconds per call: each sample is `reps` back-to-back calls, then one sync.
 
@@ -122,14 +131,34 @@ def timed_samples(fn, args, *, samples: int, reps: int = REPS_PER_SAMPLE, warmup
     """
     for _ in range(warmup):
         jax.block_until_ready(fn(*args))
-    out = []
+    return [_timed_sample(fn, args, reps) for _ in range(samples)]
+
+
+def timed_samples_interleaved(calls: dict, *, samples: int, reps: int = REPS_PER_SAMPLE,
+                              warmup: int = WARMUP_CALLS) -> tuple[dict[str, list[float]], dict[str, str]]:
+    """`timed_samples` of every {name: (fn, args)} of `calls`, the samples taken in turns: one
+    sample of each, then the next round.
+
+    The host's speed drifts within a process: on the H200 machine the first variants of a case
+    read about twice as slow by the host's clock as later ones running the same kernel (B 1: 98.0
+    against 44.2 us). In turns, a drift reaches every variant alike. Returns the samples by name
+    and the errors by name: a variant whose call raised leaves the rounds, and the others go on.
+    """
+    out, errors = {name: [] for name in calls}, {}
+
+    def attempt(name, take):
+        try:
+            take()
+        except Exception as exc:  # recorded, not hidden; the other variants' rounds go on
+            errors[name] = repr(exc)[:600]
+
+    for name, (fn, args) in calls.items():
+        attempt(name, lambda: [jax.block_until_ready(fn(*args)) for _ in range(warmup)])
     for _ in range(samples):
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            result = fn(*args)
-        jax.block_until_ready(result)
-        out.append((time.perf_counter() - t0) * 1e6 / reps)
-    return out
+        for name, (fn, args) in calls.items():
+            if name not in errors:
+                attempt(name, lambda: out[name].append(_timed_sample(fn, args, reps)))
+    return {name: v for name, v in out.items() if name not in errors}, errors
 
 
 def chained_program(fn, calls: int):

@@ -214,6 +214,21 @@ def test_decode_benchmark_table_has_a_split_sweep_only_when_the_run_swept():
     assert "Split-count sweep" in table and "| B32_T4096 | nan | 140.0 |" in table
 
 
+def test_decode_benchmark_case_checks_every_variant_first_then_times_the_ones_that_ran():
+    """On CPU the GPU variants fail their reference check and are recorded as errors, with no
+    samples; the XLA reference is checked, then timed (SAMPLES samples) with the others' turns."""
+    from benchmarks import cases as bench_cases
+    from benchmarks.decode_attention import OURS, run_case
+
+    results = {"cases": {}}
+    case = bench_cases.SMALL_CASES[0]
+    run_case(case, results, sweep=False)
+    variants = results["cases"][case.name]["variants"]
+    assert "AdmissionError" in variants[OURS]["error"] and "samples_us" not in variants[OURS]
+    reference = variants["xla_gather_reference"]
+    assert len(reference["samples_us"]) == bench_cases.SAMPLES and reference["max_abs_err_vs_reference"] < 1e-2
+
+
 def test_e2e_step_timing_splits_each_step_into_submit_and_fetch_and_restores_the_runner():
     """benchmarks.e2e_decode.timed_steps wraps the runner's submit and fetch for the timed steps
     only: each step's parts are its own, and the runner's methods are its own again afterwards."""

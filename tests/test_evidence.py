@@ -122,3 +122,27 @@ def test_in_program_timing_keeps_every_call_and_runs_them_in_order():
     assert len(outputs) == 5 and all(np.array_equal(np.asarray(o), np.asarray(fn(x, w))) for o in outputs)
     samples = evidence.timed_samples_in_program(fn, (x, w), samples=3, calls=5, warmup=1, programs_per_sample=2)
     assert len(samples) == 3 and all(s > 0 for s in samples)
+
+
+def test_interleaved_timing_takes_the_variants_samples_in_turns_and_drops_one_that_fails():
+    """One sample of each variant per round, in the order given; a variant whose call raises
+    leaves the rounds with its error, and the others keep all their samples."""
+    import jax.numpy as jnp
+
+    log = []
+
+    def variant(name, fails_on_call=None):
+        def fn(x):
+            log.append(name)
+            if fails_on_call is not None and log.count(name) == fails_on_call:
+                raise RuntimeError(f"{name} failed")
+            return x + 1
+
+        return fn
+
+    calls = {"a": (variant("a"), (jnp.ones(3),)), "b": (variant("b"), (jnp.ones(3),)),
+             "c": (variant("c", fails_on_call=3), (jnp.ones(3),))}
+    samples, errors = evidence.timed_samples_interleaved(calls, samples=3, reps=2, warmup=1)
+    assert log == ["a", "b", "c"] + ["a", "a", "b", "b", "c", "c"] + ["a", "a", "b", "b"] * 2
+    assert set(samples) == {"a", "b"} and all(len(v) == 3 and min(v) > 0 for v in samples.values())
+    assert errors == {"c": "RuntimeError('c failed')"}
