@@ -86,8 +86,8 @@ def compile_for_hopper(kernel: dict, workdir: str) -> dict:
 
 
 def lowered_cases():
-    """(case, lowered) for the decode kernel (three head dims, and D 128 with its fused merge),
-    merge_states, gather_pages and append."""
+    """(case, lowered) for the decode kernel (three head dims, and D 128 with its fused merge and
+    with its longest-first deal), merge_states, gather_pages and append."""
     import jax
     import jax.numpy as jnp
 
@@ -106,9 +106,12 @@ def lowered_cases():
             if D == 128:
                 from pallas_kernels.decode_attention import default_config
 
-                fused = dataclasses.replace(default_config(D), fused_merge=True)
-                lowered = jax.jit(lambda *a: decodejax.decode_attention(*a, config=fused, backend="pallas_triton")).trace(q, pages, pages, table, lens)
-                cases.append((f"decode_attention B={B} T={T} H_q={H_q} H_kv={H_kv} D={D} P={P} bf16 fused_merge", lowered.lower(lowering_platforms=("cuda",))))
+                for option in ("fused_merge", "longest_first"):
+                    config = dataclasses.replace(default_config(D), **{option: True})
+                    lowered = jax.jit(lambda *a, config=config: decodejax.decode_attention(*a, config=config, backend="pallas_triton")).trace(
+                        q, pages, pages, table, lens)
+                    cases.append((f"decode_attention B={B} T={T} H_q={H_q} H_kv={H_kv} D={D} P={P} bf16 {option}",
+                                  lowered.lower(lowering_platforms=("cuda",))))
                 gather = jax.jit(lambda p, t, n: decodejax.gather_pages(p, t, n, backend="pallas_triton")).trace(pages, table, lens)
                 cases.append((f"gather_pages B={B} T={T} H_kv={H_kv} D={D} P={P} bf16", gather.lower(lowering_platforms=("cuda",))))
                 o, lse = jnp.zeros((B, H_q, 4, D), jnp.float32), jnp.zeros((B, H_q, 4), jnp.float32)

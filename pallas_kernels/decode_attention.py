@@ -11,9 +11,9 @@ any page size works:
     PAGED_HND pool [num_pages, H_kv, P, D] -> flat row (page H_kv + h) P + r
 
 With more than one slot and `DecodeConfig.longest_first`, the programs of a batch (launched
-axis 0 first) take its requests longest split first (`deal_longest_first`; equal lengths keep
-launch order): the hardware starts programs in launch order as SMs free up, so the long splits
-start first and the short ones fill the tail.
+axis 0 first) take its requests longest split first (`deal_longest_first`; a batch of equal
+lengths keeps launch order without ranking): the hardware starts programs in launch order as
+SMs free up, so the long splits start first and the short ones fill the tail.
 
 Loads of tokens outside [start, end) or invisible to the query (length, window, sinks) are
 masked, so they touch no memory: page tails, unused pages and the null page are never read.
@@ -64,6 +64,7 @@ class DecodeConfig:
         program (3.7% faster), but ranking the batch in every program cost uniform batches whose
         tables leave most slots EMPTY (an engine's wide tables) 2.9 to 4.3 us a call at B 32 (T
         2,048 and 512: 4% and 17%), and D 64 1.7 us (benchmarks/README.md, thirteenth session).
+        Equal lengths now skip the ranking; that skip has not been timed on the GPU yet.
       fused_merge: with more than one split slot, merge them in the kernel's launch (the last
         program of a (request, K/V head) to finish merges) rather than in a second launch. Off
         by default: on the H200 the merging program's serial fold made the kernel 8 us slower
@@ -166,9 +167,15 @@ def _decode_kernel(
         lengths = plgpu.load(seq_lens_ref.at[jnp.minimum(requests, batch - 1)], mask=requests < batch, other=0)
         total_blocks = plan.total_blocks(jnp, lengths)
         if deal:
-            first_start, first_end = plan.slot_bounds(jnp, lengths, 0, total_blocks)
-            keys = jnp.where(requests < batch, first_end - first_start, -1)
-            b, h, s = deal_longest_first(keys, b, h, s, batch=batch, kv_heads=num_kv_heads, slots=plan.capacity)
+
+            def longest_first_item():
+                first_start, first_end = plan.slot_bounds(jnp, lengths, 0, total_blocks)
+                keys = jnp.where(requests < batch, first_end - first_start, -1)
+                return deal_longest_first(keys, b, h, s, batch=batch, kv_heads=num_kv_heads, slots=plan.capacity)
+
+            # Equal lengths deal in launch order anyway: skip the ranking, which costs every program.
+            uneven = jnp.sum(((lengths != seq_lens_ref[0]) & (requests < batch)).astype(jnp.int32)) > 0
+            b, h, s = jax.lax.cond(uneven, longest_first_item, lambda: (b, h, s))
     seq_len = seq_lens_ref[b]
     c = cache_idx_ref[b] if remapped else b
     start, end = plan.slot_bounds(jnp, seq_len, s, total_blocks)

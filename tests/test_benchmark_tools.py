@@ -76,6 +76,9 @@ def test_hopper_compile_reads_each_kernels_triton_ir_from_the_cuda_lowering():
     fused = triton_kernels(cases["decode_attention B=8 T=4096 H_q=32 H_kv=8 D=128 P=16 bf16 fused_merge"])
     assert [k["name"] for k in fused] == ["decodejax_paged_decode"]
     assert "tt.atomic_rmw" in fused[0]["ttir"] and "gpu.barrier" in fused[0]["ttir"]  # the merge counter, after a block barrier
+    dealt = triton_kernels(cases["decode_attention B=8 T=4096 H_q=32 H_kv=8 D=128 P=16 bf16 longest_first"])
+    assert [k["name"] for k in dealt] == ["decodejax_paged_decode", "decodejax_merge_states"]
+    assert "scf.if" in dealt[0]["ttir"] and "scf.if" not in decode[0]["ttir"]  # the ranking, skipped for equal lengths
     merge = triton_kernels(next(v for k, v in cases.items() if k.startswith("merge_states")))
     assert [(k["name"], k["num_warps"], k["num_stages"]) for k in merge] == [("decodejax_merge_states", 4, 1)]
     append = triton_kernels(next(v for k, v in cases.items() if k.startswith("append_attention")))

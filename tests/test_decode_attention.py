@@ -237,12 +237,14 @@ class TritonDecodeAttentionCases(DecodeAttentionCases):
             np.testing.assert_array_equal(np.asarray(again[1]), np.asarray(lse))
 
 
+    @pytest.mark.parametrize("lengths", [(3200, 0, 2900, 700), (2000,) * 4], ids=["uneven", "equal"])
     @pytest.mark.parametrize("plan_options", [{}, {"num_splits": 3}, {"deterministic": True}], ids=["auto", "splits=3", "deterministic"])
-    def test_the_longest_first_deal_changes_no_bit(self, plan_options):
+    def test_the_longest_first_deal_changes_no_bit(self, plan_options, lengths):
         """`DecodeConfig.longest_first` changes which program computes an item, not what it
         computes: the output and every slot's partial state are bitwise those of launch order,
-        on a batch of unequal lengths (one of them 0) and several slots."""
-        problem = make_problem(self.plan_spec, np.random.default_rng(13), lengths=[3200, 0, 2900, 700])
+        on a batch of unequal lengths (one of them 0) and on one of equal lengths (which skips
+        the ranking), with several slots."""
+        problem = make_problem(self.plan_spec, np.random.default_rng(13), lengths=list(lengths))
         args = to_device(problem, jnp.bfloat16)
         dealt = DecodeConfig(longest_first=True)
         for partials in (False, True):
