@@ -78,8 +78,7 @@ def time_in_program(fn, *args) -> list[float]:
     from benchmarks.profile_summary import program_spans, traced
     from decodejax import evidence
 
-    program = evidence.chained_program(fn, REPS)
-    program_args = (evidence.distinct_copies(args[0], REPS), *args[1:])
+    program, program_args = evidence.chained_call(fn, args, REPS)
     jax.block_until_ready(program(*program_args))
 
     def run():
@@ -198,11 +197,9 @@ def run_case(case, results, sweep: bool, tune: bool = False, ours_only: bool = F
     k_h, v_h = jnp.transpose(k, (2, 0, 1, 3)), jnp.transpose(v, (2, 0, 1, 3))
     q_scaled = (q.astype(jnp.float32) * case.head_dim**-0.5).astype(jnp.bfloat16)
     width = table.shape[1]
-    builtins = {}
     for ks in BUILTIN_K_SPLITS:
         if width % ks == 0 and (width // ks) % min(8, width // ks) == 0:
             fn = jax.jit(functools.partial(builtin.paged_attention, k_splits=ks, pages_per_compute_block=min(8, width // ks)))
-            builtins[f"jax_builtin_pallas/k_splits={ks}"] = fn
             record(f"jax_builtin_pallas/k_splits={ks}", fn, q_scaled, k_h, v_h, table, lens, gpu_span=True)
 
     record("xla_gather_reference", jax.jit(lambda *a: reference.paged_decode(*a)[0].astype(jnp.bfloat16)), q, k, v, table, lens)
@@ -219,7 +216,8 @@ def run_case(case, results, sweep: bool, tune: bool = False, ours_only: bool = F
     time_variants(case.name, entry, pending, nbytes)
     best_builtin, _ = _best(entry["variants"], "jax_builtin_pallas/")
     if best_builtin:  # in one program, the setting that was fastest back to back
-        entry["variants"][best_builtin] |= in_program_stats(builtins[best_builtin], (q_scaled, k_h, v_h, table, lens), nbytes)
+        fn, args, _, _ = pending[best_builtin]
+        entry["variants"][best_builtin] |= in_program_stats(fn, args, nbytes)
 
 
 def time_variants(case_name: str, entry: dict, pending: dict, nbytes: int) -> None:

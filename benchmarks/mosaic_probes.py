@@ -165,6 +165,13 @@ def _deal_variants(k, v):
             "mgpu/index_order": (mosaic, k, v, {(kernel, "split_order"): in_index_order})}
 
 
+def _longest_first(head_dim: int):
+    """The Triton kernel's default config with its programs longest split first."""
+    from pallas_kernels.decode_attention import default_config
+
+    return dataclasses.replace(default_config(head_dim), longest_first=True)
+
+
 def _bottleneck_variants(k, v):
     from pallas_kernels.decode_attention_mgpu import MosaicDecodeConfig
 
@@ -346,13 +353,12 @@ def _in_program_variants(fn, args, calls: int = 50) -> dict:
     from benchmarks.profile_summary import stream_timeline, traced
     from decodejax import evidence
 
-    q, rest = args[0], args[1:]
-    copies = evidence.distinct_copies(q, calls)
+    chained, chained_args = evidence.chained_call(fn, args, calls)
     programs = {  # name: (program, its arguments)
         "program_copies": (jax.jit(lambda stacked, *rest: [fn(stacked[i], *rest) for i in range(calls)]),
-                           (jax.numpy.stack([q] * calls), *rest)),
-        "program_separate": (jax.jit(lambda qs, *rest: [fn(q, *rest) for q in qs]), (copies, *rest)),
-        "program_chained": (evidence.chained_program(fn, calls), (copies, *rest)),
+                           (jax.numpy.stack([args[0]] * calls), *args[1:])),
+        "program_separate": (jax.jit(lambda qs, *rest: [fn(q, *rest) for q in qs]), chained_args),
+        "program_chained": (chained, chained_args),
     }
     out = {"back_to_back": time_jax(fn, *args)}
     for name, reps in (("program_copies", 1), ("program_separate", 1), ("program_chained", 1), ("program_chained_x5", 5)):
@@ -487,11 +493,8 @@ def main(argv=None):
             continue
         elif question == "table_width":
             wide = jnp.pad(table, ((0, 0), (0, E2E_TABLE_PAGES - table.shape[1])))
-            from pallas_kernels.decode_attention import default_config
-
-            longest_first = dataclasses.replace(default_config(case.head_dim), longest_first=True)
             for name, (width_table, options) in {"exact_width": (table, {}), "e2e_width": (wide, {}),
-                                                 "e2e_width/longest_first": (wide, dict(config=longest_first)),
+                                                 "e2e_width/longest_first": (wide, dict(config=_longest_first(case.head_dim))),
                                                  "e2e_width/one_slot": (wide, dict(num_splits=1))}.items():
                 fn = jax.jit(functools.partial(decodejax.decode_attention, backend="pallas_triton", **options))
                 stats = summarize(time_jax(fn, q, k, v, width_table, lens), bench_cases.kv_bytes(case))
@@ -508,10 +511,7 @@ def main(argv=None):
         elif question == "deal":
             variants.update(_deal_variants(k, v))
         elif question == "triton_deal":
-            from pallas_kernels.decode_attention import default_config
-
-            longest_first = dataclasses.replace(default_config(case.head_dim), longest_first=True)
-            variants["triton/longest_first"] = (dict(backend="pallas_triton", config=longest_first), k, v, {})
+            variants["triton/longest_first"] = (dict(backend="pallas_triton", config=_longest_first(case.head_dim)), k, v, {})
         elif question == "plans":
             variants.update(_plan_variants(k, v))
         elif question == "plan_configs":

@@ -188,6 +188,12 @@ def distinct_copies(x: jax.Array, n: int) -> list[jax.Array]:
     return [jnp.array(x, copy=True) for _ in range(n)]
 
 
+def chained_call(fn, args, calls: int):
+    """(program, its arguments): `chained_program(fn, calls)` and args with the first replaced by
+    `calls` distinct copies of it."""
+    return chained_program(fn, calls), (distinct_copies(args[0], calls), *args[1:])
+
+
 def timed_samples_in_program(fn, args, *, samples: int, calls: int = REPS_PER_SAMPLE, warmup: int = WARMUP_CALLS,
                              programs_per_sample: int = 5) -> list[float]:
     """Microseconds per call of `chained_program` by the host's clock: each sample is
@@ -197,9 +203,7 @@ def timed_samples_in_program(fn, args, *, samples: int, calls: int = REPS_PER_SA
     several times a warm one, over more calls: with one 50-call program a sample, the B 32 decode
     call read 147 us against 130 with five (H200; its kernels' traced span was 125 us a call).
     """
-    program = chained_program(fn, calls)
-    per_program = timed_samples(program, (distinct_copies(args[0], calls), *args[1:]), samples=samples,
-                                reps=programs_per_sample, warmup=warmup)
+    per_program = timed_samples(*chained_call(fn, args, calls), samples=samples, reps=programs_per_sample, warmup=warmup)
     return [t / calls for t in per_program]
 
 
