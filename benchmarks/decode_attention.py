@@ -55,7 +55,7 @@ SPLIT_SWEEP = (1, 2, 4, 8, 16, 32, 64)
 BUILTIN_K_SPLITS = (1, 2, 4, 8, 16)
 OURS = "decodejax/nhd/auto"  # the Triton kernel's default path: the figure every ratio is of
 FUSED_MERGE = "decodejax/nhd/auto/fused_merge"  # the same with DecodeConfig.fused_merge on
-LONGEST_FIRST = "decodejax/nhd/auto/longest_first"  # the same with DecodeConfig.longest_first on
+LAUNCH_ORDER = "decodejax/nhd/auto/launch_order"  # the same with DecodeConfig.longest_first off
 MOSAIC_AUTO = "decodejax/mgpu-nhd/auto"  # the Mosaic GPU kernel's default path, beside the Triton kernel's
 # (block_k, num_stages, compute_warpgroups) of the Mosaic GPU kernel; one that does not fit a
 # case's shared memory is recorded as an error
@@ -166,7 +166,7 @@ def run_case(case, results, sweep: bool, tune: bool = False, ours_only: bool = F
                                       num_splits=None, deterministic=False, head_dim=case.head_dim)
     if plan.capacity > 1:
         record(FUSED_MERGE, ours(config=dataclasses.replace(config, fused_merge=True)), q, k, v, table, lens, gpu_span=True)
-        record(LONGEST_FIRST, ours(config=dataclasses.replace(config, longest_first=True)), q, k, v, table, lens, gpu_span=True,
+        record(LAUNCH_ORDER, ours(config=dataclasses.replace(config, longest_first=False)), q, k, v, table, lens, gpu_span=True,
                in_program=True)
     if tune_mosaic:
         from pallas_kernels.decode_attention_mgpu import MosaicDecodeConfig
@@ -505,16 +505,16 @@ def render_table(results) -> str:
         for name, var in both:
             launched, fused = var[OURS], var[FUSED_MERGE]
             lines.append(f"| {name} | {launched['median_us']:.1f} | {busy(launched)} | {fused['median_us']:.1f} | {busy(fused)} |")
-    dealt = [(name, e["variants"]) for name, e in results["cases"].items() if "in_program" in e["variants"].get(LONGEST_FIRST, {})]
+    dealt = [(name, e["variants"]) for name, e in results["cases"].items() if "in_program" in e["variants"].get(LAUNCH_ORDER, {})]
     if dealt:
-        lines += ["", "The programs in launch order (the default) or longest split first (`longest_first`), median us by "
+        lines += ["", "The programs longest split first (`longest_first`, the default) or in launch order, median us by "
                   "the host's clock and inside one program, for the cases whose plan has more than one slot:", "",
-                  "| case | launch order | in one program | longest first | in one program |", "|---|---|---|---|---|"]
+                  "| case | longest first | in one program | launch order | in one program |", "|---|---|---|---|---|"]
         for name, var in dealt:
-            launched, first = var[OURS], var[LONGEST_FIRST]
+            first, launched = var[OURS], var[LAUNCH_ORDER]
             in_program = lambda v: f"{v['in_program']['median_us']:.1f}" if "in_program" in v else "n/a"
-            lines.append(f"| {name} | {launched['median_us']:.1f} | {in_program(launched)} | {first['median_us']:.1f} | "
-                         f"{in_program(first)} |")
+            lines.append(f"| {name} | {first['median_us']:.1f} | {in_program(first)} | {launched['median_us']:.1f} | "
+                         f"{in_program(launched)} |")
     mosaic = [(name, e["variants"]) for name, e in results["cases"].items() if "median_us" in e["variants"].get(MOSAIC_AUTO, {})]
     if mosaic:
         lines += ["", "The Mosaic GPU kernel against the Triton kernel, both default paths of this run, median / min us:", "",

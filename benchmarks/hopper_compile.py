@@ -87,7 +87,7 @@ def compile_for_hopper(kernel: dict, workdir: str) -> dict:
 
 def lowered_cases():
     """(case, lowered) for the decode kernel (three head dims, and D 128 with its fused merge and
-    with its longest-first deal), merge_states, gather_pages and append."""
+    with its programs in launch order, not dealt), merge_states, gather_pages and append."""
     import jax
     import jax.numpy as jnp
 
@@ -106,8 +106,8 @@ def lowered_cases():
             if D == 128:
                 from pallas_kernels.decode_attention import default_config
 
-                for option in ("fused_merge", "longest_first"):
-                    config = dataclasses.replace(default_config(D), **{option: True})
+                for option, change in (("fused_merge", dict(fused_merge=True)), ("launch_order", dict(longest_first=False))):
+                    config = dataclasses.replace(default_config(D), **change)
                     lowered = jax.jit(lambda *a, config=config: decodejax.decode_attention(*a, config=config, backend="pallas_triton")).trace(
                         q, pages, pages, table, lens)
                     cases.append((f"decode_attention B={B} T={T} H_q={H_q} H_kv={H_kv} D={D} P={P} bf16 {option}",

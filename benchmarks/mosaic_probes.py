@@ -54,8 +54,8 @@ its longest context (8,238 tokens in e2e_decode.py), and the slot capacity follo
 programs and the merge; what does that cost against a table of the requests' own width, and
 against one slot on the wide table, and with the programs longest split first (the deal ranks
 the batch in every program, EMPTY ones too)? Host clock and the kernels' GPU time (a trace of 20
-calls). (Its results of ffcd19f and e71d9fa were taken while the deal was the default: there
-`e2e_width` is dealt and `e2e_width/launch_order` is not.)
+calls). (Its results of 783fb1d to 336fa8a were taken while launch order was the default:
+there `e2e_width` is in launch order and `e2e_width/longest_first` is dealt.)
 `programs`: the persistent Mosaic kernel deals its work items to one program per SM in a fixed
 order, which cannot balance a ragged batch (0.80x of the Triton kernel there, against 1.02x when
 each item was a program). With two or four programs per SM, programs wait for a free SM and the
@@ -85,8 +85,9 @@ trace of each program (GPU busy, idle and overlap per call).
 longest split first when the plan has several slots. What does that win on the ragged batch, and
 what does ranking the batch in every program cost the uniform multi-slot cases (B 1, B 8, D 64;
 B 32 has one slot and is the control)? Host clock, and GPU time inside one program
-(`decode_attention.time_in_program`). (Its results of 25a939d and e71d9fa were taken while the
-deal was the default: there `triton/nhd` is dealt and `triton/launch_order` is not.)
+(`decode_attention.time_in_program`). (Its results of 783fb1d to 336fa8a were taken while
+launch order was the default: there `triton/nhd` is in launch order and `triton/longest_first`
+is dealt.)
 """
 
 from __future__ import annotations
@@ -165,11 +166,11 @@ def _deal_variants(k, v):
             "mgpu/index_order": (mosaic, k, v, {(kernel, "split_order"): in_index_order})}
 
 
-def _longest_first(head_dim: int):
-    """The Triton kernel's default config with its programs longest split first."""
+def _launch_order(head_dim: int):
+    """The Triton kernel's default config with its programs in launch order (no deal)."""
     from pallas_kernels.decode_attention import default_config
 
-    return dataclasses.replace(default_config(head_dim), longest_first=True)
+    return dataclasses.replace(default_config(head_dim), longest_first=False)
 
 
 def _bottleneck_variants(k, v):
@@ -494,7 +495,7 @@ def main(argv=None):
         elif question == "table_width":
             wide = jnp.pad(table, ((0, 0), (0, E2E_TABLE_PAGES - table.shape[1])))
             for name, (width_table, options) in {"exact_width": (table, {}), "e2e_width": (wide, {}),
-                                                 "e2e_width/longest_first": (wide, dict(config=_longest_first(case.head_dim))),
+                                                 "e2e_width/launch_order": (wide, dict(config=_launch_order(case.head_dim))),
                                                  "e2e_width/one_slot": (wide, dict(num_splits=1))}.items():
                 fn = jax.jit(functools.partial(decodejax.decode_attention, backend="pallas_triton", **options))
                 stats = summarize(time_jax(fn, q, k, v, width_table, lens), bench_cases.kv_bytes(case))
@@ -511,7 +512,7 @@ def main(argv=None):
         elif question == "deal":
             variants.update(_deal_variants(k, v))
         elif question == "triton_deal":
-            variants["triton/longest_first"] = (dict(backend="pallas_triton", config=_longest_first(case.head_dim)), k, v, {})
+            variants["triton/launch_order"] = (dict(backend="pallas_triton", config=_launch_order(case.head_dim)), k, v, {})
         elif question == "plans":
             variants.update(_plan_variants(k, v))
         elif question == "plan_configs":

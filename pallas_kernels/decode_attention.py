@@ -10,10 +10,10 @@ any page size works:
     PAGED_NHD pool [num_pages, P, H_kv, D] -> flat row (page P + r) H_kv + h
     PAGED_HND pool [num_pages, H_kv, P, D] -> flat row (page H_kv + h) P + r
 
-With more than one slot and `DecodeConfig.longest_first`, the programs of a batch (launched
-axis 0 first) take its requests longest split first (`deal_longest_first`; a batch of equal
-lengths keeps launch order without ranking): the hardware starts programs in launch order as
-SMs free up, so the long splits start first and the short ones fill the tail.
+With more than one slot and `DecodeConfig.longest_first` (the default), the programs of a
+batch (launched axis 0 first) take its requests longest split first (`deal_longest_first`; a
+batch of equal lengths keeps launch order without ranking): the hardware starts programs in
+launch order as SMs free up, so the long splits start first and the short ones fill the tail.
 
 Loads of tokens outside [start, end) or invisible to the query (length, window, sinks) are
 masked, so they touch no memory: page tails, unused pages and the null page are never read.
@@ -59,12 +59,12 @@ class DecodeConfig:
       num_warps: Triton warps per program.
       num_stages: software-pipelining depth of the K/V loads.
       longest_first: with more than one split slot, the programs take the requests longest split
-        first (`deal_longest_first`) rather than in (s, h, b) launch order. Off by default: on
-        the H200 it took the ragged benchmark batch from 273.9 to 263.7 us of GPU time inside one
-        program (3.7% faster), but ranking the batch in every program cost uniform batches whose
-        tables leave most slots EMPTY (an engine's wide tables) 2.9 to 4.3 us a call at B 32 (T
-        2,048 and 512: 4% and 17%), and D 64 1.7 us (benchmarks/README.md, thirteenth session).
-        Equal lengths now skip the ranking; that skip has not been timed on the GPU yet.
+        first (`deal_longest_first`) rather than in (s, h, b) launch order; a batch of equal
+        lengths skips the ranking and runs in launch order. On by default: on the H200 it took
+        the ragged benchmark batch from 278.1 to 268.1 us of GPU time inside one program (3.6%
+        faster) and left the uniform multi-slot cases within 0.3 us, an engine's wide tables
+        included (B 32, T 512 in a 515-page table: 25.6 us either way; benchmarks/README.md,
+        fourteenth session). Before the equal-lengths skip, ranking cost those up to 17%.
       fused_merge: with more than one split slot, merge them in the kernel's launch (the last
         program of a (request, K/V head) to finish merges) rather than in a second launch. Off
         by default: on the H200 the merging program's serial fold made the kernel 8 us slower
@@ -76,7 +76,7 @@ class DecodeConfig:
     num_warps: int = 4
     num_stages: int = 3
     fused_merge: bool = False
-    longest_first: bool = False
+    longest_first: bool = True
 
     @property
     def split_align(self) -> int:

@@ -76,9 +76,9 @@ def test_hopper_compile_reads_each_kernels_triton_ir_from_the_cuda_lowering():
     fused = triton_kernels(cases["decode_attention B=8 T=4096 H_q=32 H_kv=8 D=128 P=16 bf16 fused_merge"])
     assert [k["name"] for k in fused] == ["decodejax_paged_decode"]
     assert "tt.atomic_rmw" in fused[0]["ttir"] and "gpu.barrier" in fused[0]["ttir"]  # the merge counter, after a block barrier
-    dealt = triton_kernels(cases["decode_attention B=8 T=4096 H_q=32 H_kv=8 D=128 P=16 bf16 longest_first"])
-    assert [k["name"] for k in dealt] == ["decodejax_paged_decode", "decodejax_merge_states"]
-    assert "scf.if" in dealt[0]["ttir"] and "scf.if" not in decode[0]["ttir"]  # the ranking, skipped for equal lengths
+    launch_order = triton_kernels(cases["decode_attention B=8 T=4096 H_q=32 H_kv=8 D=128 P=16 bf16 launch_order"])
+    assert [k["name"] for k in launch_order] == ["decodejax_paged_decode", "decodejax_merge_states"]
+    assert "scf.if" in decode[0]["ttir"] and "scf.if" not in launch_order[0]["ttir"]  # the default's ranking, behind its equal-lengths skip
     merge = triton_kernels(next(v for k, v in cases.items() if k.startswith("merge_states")))
     assert [(k["name"], k["num_warps"], k["num_stages"]) for k in merge] == [("decodejax_merge_states", 4, 1)]
     append = triton_kernels(next(v for k, v in cases.items() if k.startswith("append_attention")))
@@ -200,7 +200,7 @@ def test_decode_benchmark_compares_gpu_time_with_flashinfers_events_and_host_clo
 
 def test_decode_benchmark_table_has_a_split_sweep_only_when_the_run_swept():
     """A --no-sweep run (one device call) renders no empty sweep table; a swept run renders its row.
-    The longest-first deal's table appears when its variant was timed in one program."""
+    The deal's table appears when the launch-order variant was timed in one program."""
     from benchmarks.decode_attention import render_table
 
     stats = lambda median: {"median_us": median, "min_us": median - 1, "tbps_median": 1.0}
@@ -210,7 +210,7 @@ def test_decode_benchmark_table_has_a_split_sweep_only_when_the_run_swept():
     assert "Split-count sweep" not in render_table(results) and "longest split first" not in render_table(results)
     variants = results["cases"]["B32_T4096"]["variants"]
     variants["decodejax/nhd/auto"]["in_program"] = stats(128.0)
-    variants["decodejax/nhd/auto/longest_first"] = stats(131.0) | {"in_program": stats(124.0)}
+    variants["decodejax/nhd/auto/launch_order"] = stats(131.0) | {"in_program": stats(124.0)}
     assert "| B32_T4096 | 135.0 | 128.0 | 131.0 | 124.0 |" in render_table(results)
     results["cases"]["B32_T4096"]["variants"]["decodejax/nhd/splits=2"] = stats(140.0)
     table = render_table(results)
