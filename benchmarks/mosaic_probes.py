@@ -17,6 +17,7 @@
     python -m benchmarks.mosaic_probes deal OUT.json      # the Mosaic path without its longest-first argsort
     python -m benchmarks.mosaic_probes in_program OUT.json  # calls inside one jitted program, as a model forward makes them
     python -m benchmarks.mosaic_probes triton_deal OUT.json  # the Triton kernel's programs longest split first, or in launch order
+    python -m benchmarks.mosaic_probes merge_step OUT.json  # the merge's slots per step: its default, or 16
 
 `layout`: are strided page copies (NHD rows are H_kv * D apart) what holds the kernel back?
 `configs`: do configs small enough for two programs per SM (80 KiB of shared memory) beat the
@@ -88,6 +89,10 @@ B 32 has one slot and is the control)? Host clock, and GPU time inside one progr
 (`decode_attention.time_in_program`). (Its results of 783fb1d to 336fa8a were taken while
 launch order was the default: there `triton/nhd` is in launch order and `triton/longest_first`
 is dealt.)
+`merge_step`: the merge launch folds its slots in steps, each a chain of two dependent global
+loads; with 16 slots a step an engine's B 1 call (33 slots in its wide table) took three steps.
+What do the default's wider steps (`merge_states.default_block_s`) win against 16, on the
+requests' own table width and on the engine's, inside one program and by the kernels' GPU time?
 """
 
 from __future__ import annotations
@@ -95,6 +100,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import itertools
 import json
 import sys
 
@@ -399,7 +405,8 @@ def main(argv=None):
               "compiler": ((1, 32768), (32, 4096), (128, 1024), (32, 4096, 64)),
               "deal": ((1, 32768), (8, 8192), (32, 4096), (128, 1024)),
               "in_program": ((1, 32768), (8, 8192), (32, 4096), (128, 1024), (32, 4096, 64)),
-              "triton_deal": ((1, 32768), (8, 8192), (32, 4096), (32, 4096, 64))}[question]
+              "triton_deal": ((1, 32768), (8, 8192), (32, 4096), (32, 4096, 64)),
+              "merge_step": ((1, 2048), (8, 2048), (32, 512), (1, 32768), (8, 8192))}[question]
     cases = {"plans": list(bench_cases.CASES), "plan_configs": [c for c in bench_cases.CASES if c.name.startswith(
         ("B8_", "B32_", "B64_", "ragged", "d64"))], "programs": bench_cases.selected("ragged_B32_T1-16384"),
              "deal": bench_cases.selected("ragged_B32_T1-16384"),
@@ -503,6 +510,26 @@ def main(argv=None):
                 out[f"{case.name}/{name}"] = stats
                 print(f"{case.name} {name} {stats['median_us']:.1f} us (GPU {stats['profile']['device_us_per_step']:.1f})",
                       json.dumps(stats["profile"]["top"][:3]), flush=True)
+            save()
+            continue
+        elif question == "merge_step":
+            from pallas_kernels import merge_states as merge_module
+
+            widths = {"exact_width": table}
+            if table.shape[1] < E2E_TABLE_PAGES:
+                widths["e2e_width"] = jnp.pad(table, ((0, 0), (0, E2E_TABLE_PAGES - table.shape[1])))
+            steps = {"": {}, "/step_16": {(merge_module, "default_block_s"): lambda head_dim: 16}}
+            for (width, width_table), (step, patches) in itertools.product(widths.items(), steps.items()):
+                with patched(patches):
+                    jax.clear_caches()  # the merge traced again with (or without) the patch
+                    fn = jax.jit(functools.partial(decodejax.decode_attention, backend="pallas_triton"))
+                    args = (q, k, v, width_table, lens)
+                    stats = summarize(time_jax(fn, *args), bench_cases.kv_bytes(case))
+                    stats["in_program"] = summarize(time_in_program(fn, *args), bench_cases.kv_bytes(case))
+                    stats["profile"] = _device_activity(fn, *args)
+                out[f"{case.name}/{width}{step}"] = stats
+                print(f"{case.name} {width}{step} {stats['median_us']:.1f} us in-program {stats['in_program']['median_us']:.1f} "
+                      f"(GPU {stats['profile']['device_us_per_step']:.1f})", json.dumps(stats["profile"]["top"][:3]), flush=True)
             save()
             continue
         elif question == "bottleneck":
