@@ -36,9 +36,10 @@ def default_block_s(head_dim: int) -> int:
     """Slots per step: 64 at D <= 128 (32 at D 256, 8,192 f32 values of o in 4 warps' registers).
 
     Each step is a dependent chain of two global loads (lse, then the filled slots' o), so the
-    merge's time is mostly steps, not bytes: on the H200 an engine's B 1 call had 33 slots (16
-    filled) and took 2.9 us in three steps of 16 against 1.7 us for 16 slots in one. A step's
-    slots past S are masked, so they read nothing. It is fixed per head dim, not per S, so that
+    merge's time is mostly steps, not bytes: on the H200 an engine's B 1 call (33 slots, 16
+    filled) merged in 2.91 us in three steps of 16 and in 1.54 us in one of 64; B 1, T 32,768
+    (32 slots) in 2.93 and 1.63 us (benchmarks/README.md, fourteenth session). A step's slots
+    past S are masked, so they read nothing. It is fixed per head dim, not per S, so that
     appending EMPTY slots keeps every bit: they add only all-EMPTY steps, which fold to the
     identity.
     """

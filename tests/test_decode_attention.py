@@ -403,6 +403,33 @@ def test_merge_states_backends_match_algebra_and_ignore_empty_slots():
     np.testing.assert_array_equal(np.asarray(again[0]), np.asarray(got_o))
 
 
+@pytest.mark.parametrize("block_s", [8, None])
+def test_merge_kernel_folds_its_steps_in_order_and_all_empty_steps_change_no_bit(block_s):
+    """The Pallas merge over several steps (20 slots in steps of 8; 70 slots at D 128 in the
+    default's steps of 64) matches the XLA merge, and EMPTY slots appended past the last filled
+    one, into a step of their own, leave every bit of (o, lse) as it was."""
+    from pallas_kernels.merge_states import MergeConfig, merge_states
+
+    rng = np.random.default_rng(12)
+    slots, d = (20, 64) if block_s else (70, 128)
+    o = rng.normal(size=(2, 3, slots, d)).astype(np.float32)
+    lse = (rng.normal(size=(2, 3, slots)) * 5).astype(np.float32)
+    lse[0, :, -3:] += 20.0  # the last step raises the running max: the earlier steps are rescaled
+    lse[1, :, 5:] = -np.inf  # filled slots in the first step only
+    o[1, :, 5:] = np.nan
+    config = MergeConfig(block_s=block_s)
+    got_o, got_lse = merge_states(jnp.asarray(o), jnp.asarray(lse), config=config, interpret=True)
+    want_o, want_lse = decodejax.merge_states(jnp.asarray(o), jnp.asarray(lse), backend="xla")
+    np.testing.assert_allclose(np.asarray(got_o), np.asarray(want_o), atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(got_lse), np.asarray(want_lse), atol=1e-5, rtol=1e-5)
+    extra = config.slots_per_step(d)  # at least one whole step of EMPTY slots
+    more_o = np.concatenate([o, np.full((2, 3, extra, d), np.nan, np.float32)], axis=2)
+    more_lse = np.concatenate([lse, np.full((2, 3, extra), -np.inf, np.float32)], axis=2)
+    again_o, again_lse = merge_states(jnp.asarray(more_o), jnp.asarray(more_lse), config=config, interpret=True)
+    np.testing.assert_array_equal(np.asarray(again_o), np.asarray(got_o))
+    np.testing.assert_array_equal(np.asarray(again_lse), np.asarray(got_lse))
+
+
 @pytest.mark.parametrize("layout", [KVLayout.PAGED_NHD, KVLayout.PAGED_HND])
 def test_gather_pages_kernel_matches_reference(layout):
     problem = make_problem(SPECS[0], np.random.default_rng(11))
