@@ -512,9 +512,9 @@ def render_table(results) -> str:
                   "| case | longest first | in one program | launch order | in one program |", "|---|---|---|---|---|"]
         for name, var in dealt:
             first, launched = var[OURS], var[LAUNCH_ORDER]
-            in_program = lambda v: f"{v['in_program']['median_us']:.1f}" if "in_program" in v else "n/a"
-            lines.append(f"| {name} | {first['median_us']:.1f} | {in_program(first)} | {launched['median_us']:.1f} | "
-                         f"{in_program(launched)} |")
+            program_us = lambda v: f"{v['in_program']['median_us']:.1f}" if "in_program" in v else "n/a"
+            lines.append(f"| {name} | {first['median_us']:.1f} | {program_us(first)} | {launched['median_us']:.1f} | "
+                         f"{program_us(launched)} |")
     mosaic = [(name, e["variants"]) for name, e in results["cases"].items() if "median_us" in e["variants"].get(MOSAIC_AUTO, {})]
     if mosaic:
         lines += ["", "The Mosaic GPU kernel against the Triton kernel, both default paths of this run, median / min us:", "",

@@ -172,6 +172,13 @@ def _deal_variants(k, v):
             "mgpu/index_order": (mosaic, k, v, {(kernel, "split_order"): in_index_order})}
 
 
+def _e2e_width(table):
+    """The page table padded (with the null page) to the e2e engine's width, E2E_TABLE_PAGES."""
+    import jax.numpy as jnp
+
+    return jnp.pad(table, ((0, 0), (0, E2E_TABLE_PAGES - table.shape[1])))
+
+
 def _launch_order(head_dim: int):
     """The Triton kernel's default config with its programs in launch order (no deal)."""
     from pallas_kernels.decode_attention import default_config
@@ -500,7 +507,7 @@ def main(argv=None):
             save()
             continue
         elif question == "table_width":
-            wide = jnp.pad(table, ((0, 0), (0, E2E_TABLE_PAGES - table.shape[1])))
+            wide = _e2e_width(table)
             for name, (width_table, options) in {"exact_width": (table, {}), "e2e_width": (wide, {}),
                                                  "e2e_width/launch_order": (wide, dict(config=_launch_order(case.head_dim))),
                                                  "e2e_width/one_slot": (wide, dict(num_splits=1))}.items():
@@ -517,7 +524,7 @@ def main(argv=None):
 
             widths = {"exact_width": table}
             if table.shape[1] < E2E_TABLE_PAGES:
-                widths["e2e_width"] = jnp.pad(table, ((0, 0), (0, E2E_TABLE_PAGES - table.shape[1])))
+                widths["e2e_width"] = _e2e_width(table)
             steps = {"": {}, "/step_16": {(merge_module, "default_block_s"): lambda head_dim: 16}}
             for (width, width_table), (step, patches) in itertools.product(widths.items(), steps.items()):
                 with patched(patches):

@@ -236,7 +236,6 @@ class TritonDecodeAttentionCases(DecodeAttentionCases):
             np.testing.assert_array_equal(np.asarray(again[0], np.float32), np.asarray(o, np.float32))
             np.testing.assert_array_equal(np.asarray(again[1]), np.asarray(lse))
 
-
     @pytest.mark.parametrize("lengths", [(3200, 0, 2900, 700), (2000,) * 4], ids=["uneven", "equal"])
     @pytest.mark.parametrize("plan_options", [{}, {"num_splits": 3}, {"deterministic": True}], ids=["auto", "splits=3", "deterministic"])
     def test_the_longest_first_deal_changes_no_bit(self, plan_options, lengths):
@@ -246,10 +245,10 @@ class TritonDecodeAttentionCases(DecodeAttentionCases):
         the ranking), with several slots."""
         problem = make_problem(self.plan_spec, np.random.default_rng(13), lengths=list(lengths))
         args = to_device(problem, jnp.bfloat16)
-        dealt = DecodeConfig(longest_first=True)
+        dealt, launch_order = DecodeConfig(longest_first=True), DecodeConfig(longest_first=False)
         for partials in (False, True):
             got = self.run(args, config=dealt, return_partial_states=partials, **plan_options)
-            want = self.run(args, return_partial_states=partials, **plan_options)
+            want = self.run(args, config=launch_order, return_partial_states=partials, **plan_options)
             for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
                 np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
 
