@@ -18,6 +18,8 @@
     python -m benchmarks.mosaic_probes in_program OUT.json  # calls inside one jitted program, as a model forward makes them
     python -m benchmarks.mosaic_probes triton_deal OUT.json  # the Triton kernel's programs longest split first, or in launch order
     python -m benchmarks.mosaic_probes merge_step OUT.json  # the merge's slots per step: its default, or 16
+    python -m benchmarks.mosaic_probes mosaic_call OUT.json  # the Mosaic call's kernels beside the Triton call's, eight cases
+    python -m benchmarks.mosaic_probes d64_configs OUT.json  # Mosaic tiles at D 64 (larger blocks, deeper rings)
 
 `layout`: are strided page copies (NHD rows are H_kv * D apart) what holds the kernel back?
 `configs`: do configs small enough for two programs per SM (80 KiB of shared memory) beat the
@@ -93,6 +95,16 @@ is dealt.)
 loads; with 16 slots a step an engine's B 1 call (33 slots in its wide table) took three steps.
 What do the default's wider steps (`merge_states.default_block_s`) win against 16, on the
 requests' own table width and on the engine's, inside one program and by the kernels' GPU time?
+`mosaic_call`: the Mosaic call launched small XLA kernels around its decode kernel (query padding,
+the longest-first argsort, the output's slice, mask and convert). Now it reads q's rows in
+place where G divides 8, writes rows straight to o [B, H_q, S, D], and at one slot writes the
+call's output in q's dtype without an argsort. Which launches are left, and what does the call
+cost against the Triton call on the benchmark's eight cases: back to back, inside one program
+(`time_in_program`), and by the kernels' GPU time (a trace of 20 calls)?
+`d64_configs`: at D 64 the Mosaic kernel is compute-bound (the `bottleneck` probe: 144.6 us with
+its matmuls and softmax, 97.5 without); half the bytes per block meet the same per-block work.
+Do 128-token blocks (half the blocks, so half the per-block barriers, loop and mask setup) or a
+deeper ring help there? Host clock and inside one program.
 """
 
 from __future__ import annotations
@@ -413,11 +425,13 @@ def main(argv=None):
               "deal": ((1, 32768), (8, 8192), (32, 4096), (128, 1024)),
               "in_program": ((1, 32768), (8, 8192), (32, 4096), (128, 1024), (32, 4096, 64)),
               "triton_deal": ((1, 32768), (8, 8192), (32, 4096), (32, 4096, 64)),
-              "merge_step": ((1, 2048), (8, 2048), (32, 512), (1, 32768), (8, 8192))}[question]
+              "merge_step": ((1, 2048), (8, 2048), (32, 512), (1, 32768), (8, 8192)),
+              "mosaic_call": (), "d64_configs": ()}[question]
     cases = {"plans": list(bench_cases.CASES), "plan_configs": [c for c in bench_cases.CASES if c.name.startswith(
         ("B8_", "B32_", "B64_", "ragged", "d64"))], "programs": bench_cases.selected("ragged_B32_T1-16384"),
              "deal": bench_cases.selected("ragged_B32_T1-16384"),
-             "triton_deal": bench_cases.selected("ragged_B32_T1-16384")}.get(question, [])
+             "triton_deal": bench_cases.selected("ragged_B32_T1-16384"), "mosaic_call": list(bench_cases.CASES),
+             "d64_configs": bench_cases.selected("d64_B32_T4096")}.get(question, [])
     for batch, length, *rest in shapes:
         head_dim, kv_heads = (rest + [128, 8][len(rest):])[:2]  # defaults: D 128, 8 K/V heads
         cases.append(bench_cases.Case(f"B{batch}_T{length}_D{head_dim}_Hkv{kv_heads}", batch, length, head_dim=head_dim,
@@ -453,8 +467,12 @@ def main(argv=None):
             for name, patches in {"target_x2": plan_patches(target_scale=2), "target_x4": plan_patches(target_scale=4),
                                   "max_split_1024": plan_patches(max_split_tokens=1024)}.items():  # more, smaller items
                 variants[f"mgpu/{name}"] = (dict(backend="pallas_mosaic_gpu"), k, v, patches)
-        elif question == "profile":
+        elif question in ("profile", "mosaic_call"):
             variants["mgpu/auto"] = (dict(backend="pallas_mosaic_gpu"), k, v, {})
+        elif question == "d64_configs":
+            for block_k, stages in ((64, 4), (64, 8), (128, 2), (128, 4), (128, 6)):
+                config = MosaicDecodeConfig(block_k=block_k, num_stages=stages, compute_warpgroups=2)
+                variants[f"mgpu/bk={block_k},st={stages}"] = (dict(backend="pallas_mosaic_gpu", config=config), k, v, {})
         elif question == "dispatch":
             floor = jax.jit(lambda q, k, v, table, lens: q * 2)
             out[f"{case.name}/one_op_floor"] = _dispatch_timings(floor, (q, k, v, table, lens))
@@ -567,13 +585,13 @@ def main(argv=None):
                     o = np.asarray(fn(q, k_pool, v_pool, table, lens), np.float32)
                     triton_out = o if triton_out is None else triton_out
                     stats["max_abs_diff_vs_triton"] = float(np.max(np.abs(o - triton_out)))
-                if question == "triton_deal":
+                if question in ("triton_deal", "mosaic_call", "d64_configs"):
                     stats["in_program"] = summarize(time_in_program(fn, q, k_pool, v_pool, table, lens), bench_cases.kv_bytes(case))
                     stats["in_program_median_us"] = stats["in_program"]["median_us"]
                 if question == "plans":  # as inside a jitted program: no dispatch per call
                     samples = evidence.timed_samples_in_program(fn, (q, k_pool, v_pool, table, lens), samples=10, calls=20)
                     stats |= {"in_program_samples_us": samples, "in_program_median_us": float(np.median(samples))}
-            if question in ("profile", "deal"):
+            if question in ("profile", "deal", "mosaic_call"):
                 stats["profile"] = _device_activity(fn, q, k_pool, v_pool, table, lens)
                 print(json.dumps(stats["profile"]["top"][:6]), flush=True)
             out[f"{case.name}/{name}"] = stats

@@ -12,9 +12,10 @@ streams the split's key range [start, end) and returns the split's normalized pa
   the Triton kernel's 2 programs per SM and 4.0 TB/s; benchmarks/results/ncu_decode.json). So
   `programs` programs (one per SM) each take every programs-th work item, and their producer
   treats the items' blocks as one stream: the next item's copies start while the current
-  item's last blocks are computed and its output written. The items are dealt longest first
-  (`split_order`), and EMPTY splits are skipped, not written: the wrapper reads their slots as
-  (0, -inf) from the bounds.
+  item's last blocks are computed and its output written. With several split slots the items
+  are dealt longest first (`split_order`), and EMPTY splits are skipped, not written: the
+  wrapper reads their slots as (0, -inf) from the bounds. With one slot they are taken in
+  index order and every item is written, so nothing runs around the kernel.
 - Warpgroups specialize. A producer warpgroup copies K and V by TMA, one copy per page of a
   block of `block_k` tokens, into a ring of `num_stages` shared-memory slots (one barrier per
   slot counts the block's copies) and refills a slot's K, then its V, as soon as the compute
@@ -27,9 +28,10 @@ streams the split's key range [start, end) and returns the split's normalized pa
   without copies). So an item's states merge in one order wherever it sits in its program's
   stream, and deterministic mode stays batch-invariant.
 - Scores and the weighted sum are warpgroup MMAs (wgmma). wgmma's M is 64, so the G query rows
-  of a K/V head ride in a 64-row operand: the wrapper pads them to `QUERY_ROWS` (a TMA tile of
-  8 rows) and rows past 8 hold whatever shared memory held. Rows never mix in a matrix
-  product, so those rows only produce outputs nobody reads. (Keys on the 64 rows instead,
+  of a K/V head ride in a 64-row operand: the query tile is the 8 rows (one TMA tile) of q that
+  hold them, read in place when G divides 8 (else the wrapper pads each head's rows to a tile),
+  and rows past 8 hold whatever shared memory held. Rows never mix in a matrix product, so the
+  other rows only produce outputs nobody reads; the item's own G rows are copied out. (Keys on the 64 rows instead,
   S^T = K Q^T then O^T = V^T P^T, would waste nothing, but Mosaic GPU lowers neither form of
   the second product: a 16-byte swizzle for 8 queries is refused, and with 16 queries the
   shared-memory P^T's 32-byte swizzle must match V^T's 128.)
@@ -52,6 +54,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -115,6 +118,11 @@ class MosaicDecodeConfig:
     def shared_memory_bytes(self, head_dim: int, itemsize: int) -> int:
         """The query tiles, the K/V ring, and the states handed to warpgroup 0 (its output's tile)."""
         return self._bytes(head_dim, itemsize, self.q_buffers(head_dim, itemsize))
+
+    def output_tile_fits(self, head_dim: int, itemsize: int) -> bool:
+        """Whether a [64, D] tile of the output's dtype fits beside the rest, so that the kernel of a
+        one-slot call converts its output itself (no XLA convert after it); not at D 256."""
+        return self.shared_memory_bytes(head_dim, itemsize) + WGMMA_ROWS * head_dim * itemsize <= SHARED_MEMORY_BUDGET
 
 
 # Shared memory a block may use on the H100/H200 (227 KiB = 232,448 bytes), less what Mosaic GPU
@@ -249,7 +257,7 @@ def _merge_states(acc, m, l, acc_other, m_other, l_other):
 
 
 def _decode_body(
-    q_ref,  # [B, H_kv, QUERY_ROWS, D]
+    q_ref,  # [R, D]: the query rows, item (b, h)'s from row (b * H_kv + h) * q_row_stride
     k_ref,  # the pool, PAGED_NHD [num_pages, P, H_kv, D] or PAGED_HND [num_pages, H_kv, P, D]
     v_ref,
     table_ref,  # i32[B_c, W]
@@ -257,13 +265,13 @@ def _decode_body(
     cache_idx_ref,  # i32[B]
     start_ref,  # i32[B, S]
     end_ref,  # i32[B, S]
-    order_ref,  # i32[B * S]: the splits b * S + s, longest first
-    o_ref,  # f32[B, H_kv, QUERY_ROWS, S, D]
-    lse_ref,  # f32[B, H_kv, S, QUERY_ROWS]
+    order_ref,  # i32[B * S]: the splits b * S + s, longest first; None: in index order
+    o_ref,  # [B, H_q, S, D], f32 or the output's dtype
+    lse_ref,  # f32[B, H_kv, S, QUERY_ROWS]: the lse of the 8-row query tile that holds (b, h)'s rows
     q_smem,  # [q_buffers, 64, D]: the query rows of the current (and next) work item
     k_smem,  # [num_stages, block_k, D]: the K/V ring
     v_smem,
-    o_smem,  # f32[max(1, W - 1), 64, D]: the other warpgroups' states; [0] then holds the output
+    o_smem,  # f32[max(1, W - 1), 64, D]: the other warpgroups' states; [0] then holds an f32 output
     ml_smem,  # f32[2, W - 1, 64]: their m and l, or f32[1, 1, 64] for W = 1; [0, 0] then holds the output's lse
     q_barriers,  # one per q buffer: its copy has landed
     q_free_barriers,  # one per q buffer: every compute warpgroup is done with it
@@ -273,7 +281,11 @@ def _decode_body(
     v_consumed_barriers,
     handoff_barrier,  # the other compute warpgroups' states are in shared memory
     handoff_free_barrier,  # warpgroup 0 has read them and the output copy has left o_smem
+    out_smem,  # [64, D] in o_ref's dtype when that is not f32 (the output is converted here), else None
     *,
+    group: int,
+    q_row_stride: int,
+    write_empty: bool,
     programs: int,
     num_splits: int,
     kv_heads: int,
@@ -303,7 +315,7 @@ def _decode_body(
         back and forth: program p takes item p of even rounds and item programs - 1 - p of odd
         ones, so every program gets a long item and a short one in turn."""
         i = k * programs + jnp.where(k % 2 == 0, program, programs - 1 - program)
-        split = order_ref[i // kv_heads]
+        split = i // kv_heads if order_ref is None else order_ref[i // kv_heads]
         h, b, s = lax.rem(i, kv_heads), split // num_splits, lax.rem(split, num_splits)
         start, end = start_ref[b, s], end_ref[b, s]
         return b, h, s, start, end, start // block_k, split_blocks(start, end, block_k)
@@ -314,6 +326,17 @@ def _decode_body(
         (the states then merge in the same order wherever the item sits: batch invariance).
         A position past the blocks is a no-op both sides step through."""
         return (num_blocks + compute_wgs - 1) // compute_wgs * compute_wgs
+
+    def query_tile(b, h):
+        """(first row of the 8-row query tile that holds item (b, h)'s G rows, their offset in it).
+        The tile's other rows are other heads' queries (or padding): rows never mix in the MMAs."""
+        first = (b * kv_heads + h) * q_row_stride
+        return first - lax.rem(first, QUERY_ROWS), lax.rem(first, QUERY_ROWS)
+
+    def written(num_blocks):
+        """Whether the item is computed and written: an EMPTY split is skipped (the wrapper masks its
+        slot) unless write_empty (then its state is (0, -inf) like any other's)."""
+        return (num_blocks > 0) | write_empty
 
     def block_pages(b, end, first_block, block):
         """Page ids of a block's copies (clamped to the split's last page, so always in the table)."""
@@ -356,10 +379,12 @@ def _decode_body(
             b, h, _, _, end, first_block, num_blocks = work_item(k)
             buffer = lax.rem(live, q_buffers)
 
-            @pl.when(num_blocks > 0)
+            @pl.when(written(num_blocks))
             def _load_query():
                 pl.when(live >= q_buffers)(lambda: plgpu.barrier_wait(q_free_barriers.at[buffer]))
-                plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem.at[buffer, pl.ds(0, QUERY_ROWS)], q_barriers.at[buffer])
+                tile, _ = query_tile(b, h)
+                plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(tile, QUERY_ROWS)], q_smem.at[buffer, pl.ds(0, QUERY_ROWS)],
+                                        q_barriers.at[buffer])
 
             def block(j, g):
                 pages = block_pages(b, end, first_block, j)  # table reads under the waits below
@@ -373,7 +398,7 @@ def _decode_body(
                 fill(padding, pages, h, block_start, slot, v_ref, v_smem, v_barriers)
                 return g + 1
 
-            return lax.fori_loop(0, stream_positions(num_blocks), block, g), live + (num_blocks > 0).astype(jnp.int32)
+            return lax.fori_loop(0, stream_positions(num_blocks), block, g), live + written(num_blocks).astype(jnp.int32)
 
         stream_length, live_items = lax.fori_loop(0, my_items, item, (0, 0))
         # The compute warpgroups arrive at every slot and query buffer they are done with; the
@@ -395,13 +420,14 @@ def _decode_body(
         slot = lax.rem(g0 + j, num_stages)
         t0 = (first_block + j) * block_k
         plgpu.barrier_wait(k_barriers.at[slot])
-        scores = _scores(q_tile, k_smem.at[slot], interpret=interpret) * sm_scale
+        # Scores in base 2 (the softmax's exp2), with one multiply an element where there is no cap.
+        scores = _scores(q_tile, k_smem.at[slot], interpret=interpret) * (sm_scale * LOG2_E if soft_cap is None else sm_scale)
         plgpu.barrier_arrive(k_consumed_barriers.at[slot])
         if soft_cap is not None:
-            scores = soft_cap * jnp.tanh(scores / soft_cap)
+            scores = (soft_cap * LOG2_E) * jnp.tanh(scores / soft_cap)
         t = _positions(t0, scores.shape, 1, interpret=interpret)
         live = (t >= start) & (t < end) & visible(q_pos, t, seq_len, mask)
-        p, alpha, m_new, l = _online_softmax(jnp.where(live, scores * LOG2_E, -jnp.inf), m, l)
+        p, alpha, m_new, l = _online_softmax(jnp.where(live, scores, -jnp.inf), m, l)
         plgpu.barrier_wait(v_barriers.at[slot])
 
         @pl.when(t0 + block_k > end)
@@ -416,16 +442,22 @@ def _decode_body(
         return acc, m_new, l
 
     def write_output(acc, m, l, b, h, s):
-        """The split's normalized state through o_smem[0] and ml_smem[0, 0]; returns once the copies
-        have read them. (The lse has a buffer of its own: in jax 0.11.2 a 1-D copy out of a slice of
-        o_smem makes Mosaic GPU's layout inference fail on o_smem's 2-D stores.)"""
+        """The split's normalized state through o_smem[0] (or out_smem, converted) and ml_smem[0, 0];
+        returns once the copies have read them. The item's G rows go straight to their heads'
+        rows of o_ref; the lse goes out as its query tile's 8 rows (a copy from a 4-byte offset
+        would break TMA's 16-byte alignment). (The lse has a buffer of its own: in jax 0.11.2 a
+        1-D copy out of a slice of o_smem makes Mosaic GPU's layout inference fail on o_smem's 2-D
+        stores.)"""
         valid = l > 0
         safe_l = jnp.where(valid, l, 1.0)
         lse_smem = ml_smem.at[0, 0]
-        o_smem[0] = jnp.where(_row_vector(valid, acc.shape), acc / _row_vector(safe_l, acc.shape), 0.0)
+        o = jnp.where(_row_vector(valid, acc.shape), acc / _row_vector(safe_l, acc.shape), 0.0)
+        o_tile = o_smem.at[0] if out_smem is None else out_smem
+        o_tile[...] = o.astype(o_tile.dtype)
         lse_smem[...] = jnp.where(valid, (m + jnp.log2(safe_l)) / LOG2_E, -jnp.inf)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem.at[0, pl.ds(0, QUERY_ROWS)], o_ref.at[b, h, :, s])
+        _, offset = query_tile(b, h)
+        plgpu.copy_smem_to_gmem(o_tile.at[pl.ds(offset, group)], o_ref.at[b, pl.ds(h * group, group), s])
         plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(0, QUERY_ROWS)], lse_ref.at[b, h, s])
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -443,7 +475,7 @@ def _decode_body(
             b, h, s, start, end, first_block, num_blocks = work_item(k)
             next_g0 = g0 + stream_positions(num_blocks)
 
-            @pl.when(num_blocks > 0)  # an EMPTY split writes nothing: the wrapper masks its slot
+            @pl.when(written(num_blocks))
             def _fold_and_write():
                 seq_len = seq_lens_ref[b]
                 buffer = lax.rem(live, q_buffers)
@@ -491,14 +523,43 @@ def _decode_body(
                     write_output(*state, b, h, s)
                     plgpu.barrier_arrive(handoff_free_barrier)
 
-            return next_g0, live + (num_blocks > 0).astype(jnp.int32)
+            return next_g0, live + written(num_blocks).astype(jnp.int32)
 
         _, live_items = lax.fori_loop(0, my_items, item, (0, 0))
         if compute_wgs > 1:  # the last item's output has been copied out (observes that phase)
             pl.when((wg > 0) & (live_items > 0))(lambda: plgpu.barrier_wait(handoff_free_barrier))
 
 
-@functools.partial(jax.jit, static_argnames=("layout", "sm_scale", "soft_cap", "mask", "config", "num_sms", "interpret"))
+def _in_index_order(body):
+    """The kernel body for items in (b, h, s) order: no order input."""
+    return lambda q, k, v, table, lens, rows, start, end, *rest: body(q, k, v, table, lens, rows, start, end, None, *rest)
+
+
+def _query_rows(q: jax.Array, kv_heads: int) -> tuple[jax.Array, int]:
+    """q [B, H_q, D] as the kernel's rows [R, D] and the rows between two items' first rows.
+
+    When G divides the 8-row tile and the rows fill whole tiles, the rows are q's own (a free
+    reshape): every item's G rows then sit inside one tile. Otherwise each K/V head's G rows are
+    padded to a tile of their own (an XLA copy of q)."""
+    B, H_q, D = q.shape
+    group = H_q // kv_heads
+    if QUERY_ROWS % group == 0 and B * H_q % QUERY_ROWS == 0:
+        return q.reshape(B * H_q, D), group
+    padded = jnp.pad(q.reshape(B, kv_heads, group, D), ((0, 0), (0, 0), (0, QUERY_ROWS - group), (0, 0)))
+    return padded.reshape(B * kv_heads * QUERY_ROWS, D), QUERY_ROWS
+
+
+def _item_lse(lse_tiles: jax.Array, group: int, q_row_stride: int) -> jax.Array:
+    """f32[B, H_kv, S, 8], each item's query tile's lse -> f32[B, H_q, S], the item's own G rows."""
+    B, H_kv, S, _ = lse_tiles.shape
+    first = (np.arange(B)[:, None] * H_kv + np.arange(H_kv)[None, :]) * q_row_stride  # [B, H_kv]
+    columns = (first % QUERY_ROWS)[:, :, None, None] + np.arange(group)  # [B, H_kv, 1, G]
+    lse = jnp.take_along_axis(lse_tiles, jnp.asarray(columns, jnp.int32), axis=3)  # [B, H_kv, S, G]
+    return jnp.swapaxes(lse, 2, 3).reshape(B, H_kv * group, S)
+
+
+@functools.partial(jax.jit, static_argnames=("layout", "sm_scale", "soft_cap", "mask", "config", "num_sms", "out_dtype",
+                                             "interpret"))
 def paged_decode_partials(
     q: jax.Array,  # [B, H_q, D]
     k_pages: jax.Array,  # PAGED_NHD [num_pages, P, H_kv, D] or PAGED_HND [num_pages, H_kv, P, D]
@@ -515,9 +576,16 @@ def paged_decode_partials(
     mask: DecodeMask,
     config: MosaicDecodeConfig,
     num_sms: int,
+    out_dtype=jnp.float32,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
-    """Partial states of every split: (o f32[B, H_q, S, D], lse f32[B, H_q, S]).
+    """Partial states of every split: (o [B, H_q, S, D] in out_dtype, lse f32[B, H_q, S]).
+
+    With one slot (S = 1) the kernel writes every item, a request of length 0 as (0, -inf), in
+    index order (there is nothing to deal longest first: the hardware does not schedule
+    persistent programs, but one split a request leaves no long items to spread). Then the call
+    launches the kernel alone, and with out_dtype = q.dtype (`MosaicDecodeConfig.output_tile_fits`)
+    its o is the call's output. With more slots EMPTY splits are skipped and masked here.
 
     Shapes and dtypes are checked by the public op `decodejax.decode_attention` and admission
     (`supports`); this wrapper only checks what the kernel itself assumes.
@@ -528,17 +596,24 @@ def paged_decode_partials(
     reasons = supports(P, D, group, k_pages.dtype, config)
     if reasons:
         raise ValueError(f"the Mosaic GPU decode kernel cannot run this call: {reasons}")
+    out_dtype = jnp.dtype(out_dtype)
+    converted = out_dtype != jnp.float32
+    if converted and not config.output_tile_fits(D, q.dtype.itemsize):
+        raise ValueError(f"out_dtype={out_dtype.name}: no shared memory left for the output tile at head_dim={D}")
     S = split_start.shape[1]
     num_items = B * H_kv * S
     programs = min(num_items, config.programs or (INTERPRET_PROGRAMS if interpret else num_sms))
-    q_rows = jnp.pad(q.reshape(B, H_kv, group, D), ((0, 0), (0, 0), (0, QUERY_ROWS - group), (0, 0)))
+    q_rows, q_row_stride = _query_rows(q, H_kv)
     tiled = (plgpu.TilingTransform((TILE_ROWS, SWIZZLE_BYTES // q.dtype.itemsize)), plgpu.SwizzleTransform(SWIZZLE_BYTES))
     ring = (config.num_stages, config.block_k, D)
     body = functools.partial(
-        _decode_body, programs=programs, num_splits=S, kv_heads=H_kv, num_items=num_items, page_size=P, layout=layout,
-        block_k=config.block_k, num_stages=config.num_stages, compute_wgs=config.compute_warpgroups, sm_scale=sm_scale,
-        soft_cap=soft_cap, mask=mask, interpret=interpret,
+        _decode_body, group=group, q_row_stride=q_row_stride, write_empty=S == 1, programs=programs, num_splits=S,
+        kv_heads=H_kv, num_items=num_items, page_size=P, layout=layout, block_k=config.block_k,
+        num_stages=config.num_stages, compute_wgs=config.compute_warpgroups, sm_scale=sm_scale, soft_cap=soft_cap,
+        mask=mask, interpret=interpret,
     )
+    if not converted:
+        body = functools.partial(body, out_smem=None)
     extra = {}
     if interpret:
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
@@ -548,9 +623,9 @@ def paged_decode_partials(
     handoffs = max(1, config.compute_warpgroups - 1)  # the output goes through the first
     q_buffers = config.q_buffers(D, q.dtype.itemsize)
     kernel = plgpu.kernel(
-        body,
+        body if S > 1 else _in_index_order(body),
         out_type=(
-            jax.ShapeDtypeStruct((B, H_kv, QUERY_ROWS, S, D), jnp.float32),
+            jax.ShapeDtypeStruct((B, H_q, S, D), out_dtype),
             jax.ShapeDtypeStruct((B, H_kv, S, QUERY_ROWS), jnp.float32),
         ),
         scratch_types=[
@@ -567,7 +642,7 @@ def paged_decode_partials(
             plgpu.Barrier(num_barriers=config.num_stages),
             plgpu.Barrier(num_arrivals=handoffs),
             plgpu.Barrier(),
-        ],
+        ] + ([plgpu.SMEM((WGMMA_ROWS, D), out_dtype)] if converted else []),
         compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=0),  # SHARED_MEMORY_BUDGET counts none
         grid=(programs,),
         grid_names=("program",),
@@ -576,10 +651,11 @@ def paged_decode_partials(
         kernel_name="decodejax_paged_decode_mgpu",
         **extra,
     )
-    o, lse = kernel(q_rows, k_pages, v_pages, page_table, seq_lens, cache_batch_idx, split_start, split_end,
-                    split_order(split_start, split_end, config.block_k))
+    inputs = (q_rows, k_pages, v_pages, page_table, seq_lens, cache_batch_idx, split_start, split_end)
+    o, lse_tiles = kernel(*inputs, split_order(split_start, split_end, config.block_k)) if S > 1 else kernel(*inputs)
+    lse = _item_lse(lse_tiles, group, q_row_stride)
+    if S == 1:
+        return o, lse
     # The kernel skips EMPTY splits: their slots hold whatever was there, and read as EMPTY here.
     live = (split_end > split_start)[:, None, :]  # [B, 1, S]
-    o = jnp.where(live[..., None], o[:, :, :group].reshape(B, H_q, S, D), 0.0)
-    lse = jnp.where(live, jnp.swapaxes(lse[..., :group], 2, 3).reshape(B, H_q, S), -jnp.inf)
-    return o, lse
+    return jnp.where(live[..., None], o, 0.0), jnp.where(live, lse, -jnp.inf)

@@ -292,6 +292,21 @@ class MosaicDecodeAttentionCases(DecodeAttentionCases):
         ref_o, ref_lse = oracle(args, KVLayout.PAGED_NHD)
         assert_matches_oracle(o, lse, ref_o, ref_lse, "bfloat16", problem["seq_lens"])
 
+    @pytest.mark.parametrize("q_heads,kv_heads,lengths", [(4, 2, (0, 150)), (2, 2, (70, 0, 129, 1))], ids=["G2", "G1"])
+    @pytest.mark.parametrize("num_splits", [1, 2])
+    def test_items_sharing_a_query_tile_match_oracle(self, q_heads, kv_heads, lengths, num_splits):
+        """Groups dividing the 8-row tile read q's rows in place: an item's G rows sit at offset
+        (b H_kv + h) G mod 8 of its tile, and its output and lse rows are taken from there. With
+        one slot the kernel writes the call's output (bf16) and the empty request's (0, -inf)
+        itself; with two it writes partial states that the wrapper masks and merges."""
+        spec = Spec(batch=len(lengths), q_heads=q_heads, kv_heads=kv_heads, head_dim=64, page_size=16, width=10)
+        problem = make_problem(spec, np.random.default_rng(17), lengths=lengths)
+        args = to_device(problem, jnp.bfloat16)
+        o, lse = self.run(args, num_splits=num_splits)
+        assert o.dtype == jnp.bfloat16
+        ref_o, ref_lse = oracle(args, KVLayout.PAGED_NHD)
+        assert_matches_oracle(o, lse, ref_o, ref_lse, "bfloat16", problem["seq_lens"])
+
     @pytest.mark.parametrize("compute_warpgroups,stages", [(2, 4), (3, 3)])
     def test_partial_states_do_not_depend_on_the_items_before(self, compute_warpgroups, stages):
         """Batch invariance of the persistent kernel: one program walks every item, and request
@@ -566,8 +581,10 @@ def test_admitted_mosaic_configs_lower_within_shared_memory(head_dim, config):
     k = jax.ShapeDtypeStruct((64, 16, 2, head_dim), jnp.bfloat16)
     table, lens = jax.ShapeDtypeStruct((4, 16), jnp.int32), jax.ShapeDtypeStruct((4,), jnp.int32)
     with decodejax.dispatch.targeting("gpu", "9.0"):
-        step = jax.jit(lambda q, k, v, t, l: decodejax.decode_attention(q, k, v, t, l, config=config, backend="pallas_mosaic_gpu"))
-        step.trace(q, k, k, table, lens).lower(lowering_platforms=("cuda",))
+        for num_splits in (1, 2):  # one slot: the output tile in bf16 where it fits; two: f32 partial states
+            step = jax.jit(lambda q, k, v, t, l: decodejax.decode_attention(q, k, v, t, l, config=config, num_splits=num_splits,
+                                                                           backend="pallas_mosaic_gpu"))
+            step.trace(q, k, k, table, lens).lower(lowering_platforms=("cuda",))
 
 
 def test_backends_and_auto_choice_on_this_platform():
