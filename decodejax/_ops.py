@@ -220,11 +220,12 @@ def _attention_pallas(q, k_pages, v_pages, page_table, seq_lens, *, layout, cach
     options = dict(layout=layout, sm_scale=sm_scale, soft_cap=None if soft_cap is None else float(soft_cap), mask=mask,
                    config=config, interpret=interpret)
     if mosaic:  # the Mosaic path keeps clear of Triton: XLA builds its bounds and fuses the (small) merge
-        start, end = plan.bounds(seq_lens)
-        rows = jnp.arange(B, dtype=jnp.int32) if cache_rows is None else cache_rows
-        # One slot's state is the call's output: the kernel writes it in q's dtype where it can.
-        final = plan.capacity == 1 and not return_partial_states and config.output_tile_fits(D, q.dtype.itemsize)
-        part_o, part_lse = kernel.paged_decode_partials(q, k_pages, v_pages, page_table, seq_lens, rows, start, end,
+        # Balanced, one slot is each whole request: no bounds to build. That slot's state is the
+        # call's output, which the kernel writes in q's dtype where it can.
+        whole = plan.policy == "balanced" and plan.capacity == 1
+        start, end = (None, None) if whole else plan.bounds(seq_lens)
+        final = plan.capacity == 1 and not return_partial_states and config.staged_output_fits(D, q.dtype.itemsize, q.dtype.itemsize)
+        part_o, part_lse = kernel.paged_decode_partials(q, k_pages, v_pages, page_table, seq_lens, cache_rows, start, end,
                                                         num_sms=_num_sms(), out_dtype=q.dtype if final else jnp.float32,
                                                         **options)
     elif return_partial_states:

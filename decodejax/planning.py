@@ -164,8 +164,6 @@ class SplitPlan:
         if self.policy == "fixed_chunk" and xp is np and np.any(t > self.capacity * self.chunk):
             # A request longer than capacity chunks would lose tokens: fail loudly on host.
             raise PlanMismatch(f"lengths up to {int(np.max(t))} exceed capacity {self.capacity} x chunk {self.chunk}")
-        if self.policy == "balanced" and self.capacity == 1:  # the whole request, without arithmetic to launch
-            return xp.zeros_like(t)[:, None], t[:, None]
         slots = xp.arange(self.capacity, dtype=xp.int32)[None, :]
         return self.slot_bounds(xp, t[:, None], slots, self.total_blocks(xp, t))
 

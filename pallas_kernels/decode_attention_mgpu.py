@@ -119,10 +119,11 @@ class MosaicDecodeConfig:
         """The query tiles, the K/V ring, and the states handed to warpgroup 0 (its output's tile)."""
         return self._bytes(head_dim, itemsize, self.q_buffers(head_dim, itemsize))
 
-    def output_tile_fits(self, head_dim: int, itemsize: int) -> bool:
-        """Whether a [64, D] tile of the output's dtype fits beside the rest, so that the kernel of a
-        one-slot call converts its output itself (no XLA convert after it); not at D 256."""
-        return self.shared_memory_bytes(head_dim, itemsize) + WGMMA_ROWS * head_dim * itemsize <= SHARED_MEMORY_BUDGET
+    def staged_output_fits(self, head_dim: int, itemsize: int, out_itemsize: int) -> bool:
+        """Whether an 8-row staging tile of the output (out_itemsize bytes an element) fits beside the
+        rest: then the kernel writes each item's G rows to their heads' rows of o, in the output's
+        dtype; else (D 256) whole 8-row query tiles, from which the wrapper takes each item's rows."""
+        return self.shared_memory_bytes(head_dim, itemsize) + QUERY_ROWS * head_dim * out_itemsize <= SHARED_MEMORY_BUDGET
 
 
 # Shared memory a block may use on the H100/H200 (227 KiB = 232,448 bytes), less what Mosaic GPU
@@ -257,16 +258,16 @@ def _merge_states(acc, m, l, acc_other, m_other, l_other):
 
 
 def _decode_body(
-    q_ref,  # [R, D]: the query rows, item (b, h)'s from row (b * H_kv + h) * q_row_stride
+    q_ref,  # [R / 8, 8, D]: the query rows in tiles, item (b, h)'s from row (b * H_kv + h) * q_row_stride
     k_ref,  # the pool, PAGED_NHD [num_pages, P, H_kv, D] or PAGED_HND [num_pages, H_kv, P, D]
     v_ref,
     table_ref,  # i32[B_c, W]
     seq_lens_ref,  # i32[B]
-    cache_idx_ref,  # i32[B]
-    start_ref,  # i32[B, S]
+    cache_idx_ref,  # i32[B], or None: request b reads table row b
+    start_ref,  # i32[B, S], or None with end_ref (one slot): each split is its whole request, [0, seq_len)
     end_ref,  # i32[B, S]
     order_ref,  # i32[B * S]: the splits b * S + s, longest first; None: in index order
-    o_ref,  # [B, H_q, S, D], f32 or the output's dtype
+    o_ref,  # [B, H_q, S, D] in the output's dtype through stage_smem, else f32[B, H_kv, S, QUERY_ROWS, D] (query tiles)
     lse_ref,  # f32[B, H_kv, S, QUERY_ROWS]: the lse of the 8-row query tile that holds (b, h)'s rows
     q_smem,  # [q_buffers, 64, D]: the query rows of the current (and next) work item
     k_smem,  # [num_stages, block_k, D]: the K/V ring
@@ -281,7 +282,7 @@ def _decode_body(
     v_consumed_barriers,
     handoff_barrier,  # the other compute warpgroups' states are in shared memory
     handoff_free_barrier,  # warpgroup 0 has read them and the output copy has left o_smem
-    out_smem,  # [64, D] in o_ref's dtype when that is not f32 (the output is converted here), else None
+    stage_smem,  # [QUERY_ROWS, D] in o_ref's dtype: the item's query tile's rows on their way out; or None
     *,
     group: int,
     q_row_stride: int,
@@ -317,7 +318,7 @@ def _decode_body(
         i = k * programs + jnp.where(k % 2 == 0, program, programs - 1 - program)
         split = i // kv_heads if order_ref is None else order_ref[i // kv_heads]
         h, b, s = lax.rem(i, kv_heads), split // num_splits, lax.rem(split, num_splits)
-        start, end = start_ref[b, s], end_ref[b, s]
+        start, end = (0, seq_lens_ref[b]) if start_ref is None else (start_ref[b, s], end_ref[b, s])
         return b, h, s, start, end, start // block_k, split_blocks(start, end, block_k)
 
     def stream_positions(num_blocks):
@@ -328,10 +329,10 @@ def _decode_body(
         return (num_blocks + compute_wgs - 1) // compute_wgs * compute_wgs
 
     def query_tile(b, h):
-        """(first row of the 8-row query tile that holds item (b, h)'s G rows, their offset in it).
-        The tile's other rows are other heads' queries (or padding): rows never mix in the MMAs."""
+        """(the 8-row query tile that holds item (b, h)'s G rows, their offset in it). The tile's
+        other rows are other heads' queries (or padding): rows never mix in the MMAs."""
         first = (b * kv_heads + h) * q_row_stride
-        return first - lax.rem(first, QUERY_ROWS), lax.rem(first, QUERY_ROWS)
+        return first // QUERY_ROWS, lax.rem(first, QUERY_ROWS)
 
     def written(num_blocks):
         """Whether the item is computed and written: an EMPTY split is skipped (the wrapper masks its
@@ -342,7 +343,7 @@ def _decode_body(
         """Page ids of a block's copies (clamped to the split's last page, so always in the table)."""
         first = (first_block + block) * block_k // page_size
         last_page = jnp.maximum(end - 1, 0) // page_size
-        c = cache_idx_ref[b]
+        c = b if cache_idx_ref is None else cache_idx_ref[b]
         return tuple(table_ref[c, jnp.minimum(first + j, last_page)] for j in range(pages_per_block))
 
     def page_rows(ref, page, h, offset, rows):
@@ -383,8 +384,7 @@ def _decode_body(
             def _load_query():
                 pl.when(live >= q_buffers)(lambda: plgpu.barrier_wait(q_free_barriers.at[buffer]))
                 tile, _ = query_tile(b, h)
-                plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(tile, QUERY_ROWS)], q_smem.at[buffer, pl.ds(0, QUERY_ROWS)],
-                                        q_barriers.at[buffer])
+                plgpu.copy_gmem_to_smem(q_ref.at[tile], q_smem.at[buffer, pl.ds(0, QUERY_ROWS)], q_barriers.at[buffer])
 
             def block(j, g):
                 pages = block_pages(b, end, first_block, j)  # table reads under the waits below
@@ -442,22 +442,33 @@ def _decode_body(
         return acc, m_new, l
 
     def write_output(acc, m, l, b, h, s):
-        """The split's normalized state through o_smem[0] (or out_smem, converted) and ml_smem[0, 0];
-        returns once the copies have read them. The item's G rows go straight to their heads'
-        rows of o_ref; the lse goes out as its query tile's 8 rows (a copy from a 4-byte offset
-        would break TMA's 16-byte alignment). (The lse has a buffer of its own: in jax 0.11.2 a
-        1-D copy out of a slice of o_smem makes Mosaic GPU's layout inference fail on o_smem's 2-D
-        stores.)"""
+        """The split's normalized state through o_smem[0] and ml_smem[0, 0]; returns once the copies
+        have read them. The lse goes out as the item's query tile's 8 rows (a copy from a 4-byte
+        offset would break TMA's 16-byte alignment), and so does o without stage_smem. With it,
+        the tile's rows pass through stage_smem (converted to o_ref's dtype) and the item's G rows
+        go to their heads' rows of o_ref: Mosaic GPU tiles o_smem in 8 rows for the WGMMA-layout
+        store, and a copy of G < 8 rows out of it does not lower (jax 0.11.2). (The lse has a
+        buffer of its own: in jax 0.11.2 a 1-D copy out of a slice of o_smem makes layout
+        inference fail on o_smem's 2-D stores.)"""
         valid = l > 0
         safe_l = jnp.where(valid, l, 1.0)
         lse_smem = ml_smem.at[0, 0]
-        o = jnp.where(_row_vector(valid, acc.shape), acc / _row_vector(safe_l, acc.shape), 0.0)
-        o_tile = o_smem.at[0] if out_smem is None else out_smem
-        o_tile[...] = o.astype(o_tile.dtype)
+        o_smem[0] = jnp.where(_row_vector(valid, acc.shape), acc / _row_vector(safe_l, acc.shape), 0.0)
         lse_smem[...] = jnp.where(valid, (m + jnp.log2(safe_l)) / LOG2_E, -jnp.inf)
-        plgpu.commit_smem()
-        _, offset = query_tile(b, h)
-        plgpu.copy_smem_to_gmem(o_tile.at[pl.ds(offset, group)], o_ref.at[b, pl.ds(h * group, group), s])
+        plgpu.commit_smem()  # (also a warpgroup barrier: every thread's rows are in before they are read back)
+        if stage_smem is None:
+            plgpu.copy_smem_to_gmem(o_smem.at[0, pl.ds(0, QUERY_ROWS)], o_ref.at[b, h, s])
+        else:
+            strided = plgpu.Layout.WG_STRIDED((QUERY_ROWS, d), vec_size=4)
+            tile = _load(o_smem.at[0, pl.ds(0, QUERY_ROWS)], strided, interpret=interpret, optimized=False)
+            stage_smem[...] = tile.astype(stage_smem.dtype)
+            plgpu.commit_smem()
+            _, offset = query_tile(b, h)
+            for first in range(0, QUERY_ROWS - group + 1, group):  # static slices: a dynamic row offset does not lower
+
+                @pl.when(offset == first)
+                def _copy_rows(first=first):
+                    plgpu.copy_smem_to_gmem(stage_smem.at[pl.ds(first, group)], o_ref.at[b, pl.ds(h * group, group), s])
         plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(0, QUERY_ROWS)], lse_ref.at[b, h, s])
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -530,13 +541,22 @@ def _decode_body(
             pl.when((wg > 0) & (live_items > 0))(lambda: plgpu.barrier_wait(handoff_free_barrier))
 
 
-def _in_index_order(body):
-    """The kernel body for items in (b, h, s) order: no order input."""
-    return lambda q, k, v, table, lens, rows, start, end, *rest: body(q, k, v, table, lens, rows, start, end, None, *rest)
+def _without_absent_inputs(body, inputs: tuple):
+    """The kernel body for `inputs` of which some are None (absent: no XLA op builds them): the
+    launch passes only the present ones, and the body gets None in place of the others."""
+    present = [x is not None for x in inputs]
+
+    def kernel_body(*refs):
+        given = iter(refs[:sum(present)])
+        return body(*(next(given) if p else None for p in present), *refs[sum(present):])
+
+    return kernel_body
 
 
 def _query_rows(q: jax.Array, kv_heads: int) -> tuple[jax.Array, int]:
-    """q [B, H_q, D] as the kernel's rows [R, D] and the rows between two items' first rows.
+    """q [B, H_q, D] as the kernel's rows in 8-row tiles [R / 8, 8, D] (a TMA copy's row offset
+    must be a provable multiple of the shared-memory tile's 8) and the rows between two items'
+    first rows.
 
     When G divides the 8-row tile and the rows fill whole tiles, the rows are q's own (a free
     reshape): every item's G rows then sit inside one tile. Otherwise each K/V head's G rows are
@@ -544,18 +564,18 @@ def _query_rows(q: jax.Array, kv_heads: int) -> tuple[jax.Array, int]:
     B, H_q, D = q.shape
     group = H_q // kv_heads
     if QUERY_ROWS % group == 0 and B * H_q % QUERY_ROWS == 0:
-        return q.reshape(B * H_q, D), group
+        return q.reshape(B * H_q // QUERY_ROWS, QUERY_ROWS, D), group
     padded = jnp.pad(q.reshape(B, kv_heads, group, D), ((0, 0), (0, 0), (0, QUERY_ROWS - group), (0, 0)))
-    return padded.reshape(B * kv_heads * QUERY_ROWS, D), QUERY_ROWS
+    return padded.reshape(B * kv_heads, QUERY_ROWS, D), QUERY_ROWS
 
 
-def _item_lse(lse_tiles: jax.Array, group: int, q_row_stride: int) -> jax.Array:
-    """f32[B, H_kv, S, 8], each item's query tile's lse -> f32[B, H_q, S], the item's own G rows."""
-    B, H_kv, S, _ = lse_tiles.shape
+def _item_rows(tiles: jax.Array, group: int, q_row_stride: int) -> jax.Array:
+    """[B, H_kv, S, 8, ...], each item's query tile -> [B, H_q, S, ...], the item's own G rows."""
+    B, H_kv, S, _, *rest = tiles.shape
     first = (np.arange(B)[:, None] * H_kv + np.arange(H_kv)[None, :]) * q_row_stride  # [B, H_kv]
-    columns = (first % QUERY_ROWS)[:, :, None, None] + np.arange(group)  # [B, H_kv, 1, G]
-    lse = jnp.take_along_axis(lse_tiles, jnp.asarray(columns, jnp.int32), axis=3)  # [B, H_kv, S, G]
-    return jnp.swapaxes(lse, 2, 3).reshape(B, H_kv * group, S)
+    rows = (first % QUERY_ROWS)[:, :, None] + np.arange(group)  # [B, H_kv, G]
+    picked = tiles[np.arange(B)[:, None, None], np.arange(H_kv)[None, :, None], :, rows]  # [B, H_kv, G, S, ...]
+    return picked.reshape(B, H_kv * group, S, *rest)
 
 
 @functools.partial(jax.jit, static_argnames=("layout", "sm_scale", "soft_cap", "mask", "config", "num_sms", "out_dtype",
@@ -566,9 +586,9 @@ def paged_decode_partials(
     v_pages: jax.Array,
     page_table: jax.Array,  # i32[B_c, W]
     seq_lens: jax.Array,  # i32[B]
-    cache_batch_idx: jax.Array,  # i32[B]
-    split_start: jax.Array,  # i32[B, S]
-    split_end: jax.Array,  # i32[B, S]
+    cache_batch_idx: jax.Array | None,  # i32[B]; None: request b reads table row b
+    split_start: jax.Array | None,  # i32[B, S]; None with split_end: one slot, each request whole
+    split_end: jax.Array | None,  # i32[B, S]
     *,
     layout: KVLayout,
     sm_scale: float,
@@ -582,10 +602,10 @@ def paged_decode_partials(
     """Partial states of every split: (o [B, H_q, S, D] in out_dtype, lse f32[B, H_q, S]).
 
     With one slot (S = 1) the kernel writes every item, a request of length 0 as (0, -inf), in
-    index order (there is nothing to deal longest first: the hardware does not schedule
-    persistent programs, but one split a request leaves no long items to spread). Then the call
-    launches the kernel alone, and with out_dtype = q.dtype (`MosaicDecodeConfig.output_tile_fits`)
-    its o is the call's output. With more slots EMPTY splits are skipped and masked here.
+    index order (as the Triton kernel deals only plans of several slots). Without bounds and
+    cache rows, and with out_dtype = q.dtype (`MosaicDecodeConfig.staged_output_fits`), the call
+    then launches the kernel alone and its o is the call's output. With more slots EMPTY splits
+    are skipped and masked here.
 
     Shapes and dtypes are checked by the public op `decodejax.decode_attention` and admission
     (`supports`); this wrapper only checks what the kernel itself assumes.
@@ -597,10 +617,10 @@ def paged_decode_partials(
     if reasons:
         raise ValueError(f"the Mosaic GPU decode kernel cannot run this call: {reasons}")
     out_dtype = jnp.dtype(out_dtype)
-    converted = out_dtype != jnp.float32
-    if converted and not config.output_tile_fits(D, q.dtype.itemsize):
-        raise ValueError(f"out_dtype={out_dtype.name}: no shared memory left for the output tile at head_dim={D}")
-    S = split_start.shape[1]
+    staged = config.staged_output_fits(D, q.dtype.itemsize, out_dtype.itemsize)
+    if out_dtype != jnp.float32 and not staged:
+        raise ValueError(f"out_dtype={out_dtype.name}: no shared memory left to stage it at head_dim={D}")
+    S = 1 if split_start is None else split_start.shape[1]
     num_items = B * H_kv * S
     programs = min(num_items, config.programs or (INTERPRET_PROGRAMS if interpret else num_sms))
     q_rows, q_row_stride = _query_rows(q, H_kv)
@@ -612,8 +632,10 @@ def paged_decode_partials(
         num_stages=config.num_stages, compute_wgs=config.compute_warpgroups, sm_scale=sm_scale, soft_cap=soft_cap,
         mask=mask, interpret=interpret,
     )
-    if not converted:
-        body = functools.partial(body, out_smem=None)
+    if not staged:
+        body = functools.partial(body, stage_smem=None)
+    order = split_order(split_start, split_end, config.block_k) if S > 1 else None
+    inputs = (q_rows, k_pages, v_pages, page_table, seq_lens, cache_batch_idx, split_start, split_end, order)
     extra = {}
     if interpret:
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
@@ -623,9 +645,9 @@ def paged_decode_partials(
     handoffs = max(1, config.compute_warpgroups - 1)  # the output goes through the first
     q_buffers = config.q_buffers(D, q.dtype.itemsize)
     kernel = plgpu.kernel(
-        body if S > 1 else _in_index_order(body),
+        _without_absent_inputs(body, inputs),
         out_type=(
-            jax.ShapeDtypeStruct((B, H_q, S, D), out_dtype),
+            jax.ShapeDtypeStruct((B, H_q, S, D) if staged else (B, H_kv, S, QUERY_ROWS, D), out_dtype),
             jax.ShapeDtypeStruct((B, H_kv, S, QUERY_ROWS), jnp.float32),
         ),
         scratch_types=[
@@ -642,7 +664,7 @@ def paged_decode_partials(
             plgpu.Barrier(num_barriers=config.num_stages),
             plgpu.Barrier(num_arrivals=handoffs),
             plgpu.Barrier(),
-        ] + ([plgpu.SMEM((WGMMA_ROWS, D), out_dtype)] if converted else []),
+        ] + ([plgpu.SMEM((QUERY_ROWS, D), out_dtype)] if staged else []),
         compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=0),  # SHARED_MEMORY_BUDGET counts none
         grid=(programs,),
         grid_names=("program",),
@@ -651,9 +673,9 @@ def paged_decode_partials(
         kernel_name="decodejax_paged_decode_mgpu",
         **extra,
     )
-    inputs = (q_rows, k_pages, v_pages, page_table, seq_lens, cache_batch_idx, split_start, split_end)
-    o, lse_tiles = kernel(*inputs, split_order(split_start, split_end, config.block_k)) if S > 1 else kernel(*inputs)
-    lse = _item_lse(lse_tiles, group, q_row_stride)
+    o, lse = kernel(*(x for x in inputs if x is not None))
+    lse = _item_rows(lse, group, q_row_stride)
+    o = o if staged else _item_rows(o, group, q_row_stride)
     if S == 1:
         return o, lse
     # The kernel skips EMPTY splits: their slots hold whatever was there, and read as EMPTY here.
