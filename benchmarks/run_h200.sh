@@ -5,6 +5,8 @@
 #   bash benchmarks/run_h200.sh models e2e peer        # stages run in the order given
 #
 # Stages and the result files they produce:
+#   lower     lowers every kernel for CUDA on this machine's jax (seconds; Mosaic GPU's layout
+#             inference in jax 0.11 refuses forms that jax 0.10 on CPU lowers): run it first
 #   evidence  python -m decodejax evidence (base decode call)       -> evidence_<digest>.json
 #   sweep     the >= 10,000-row GPU correctness sweeps (Triton, Mosaic) per dtype -> gpu_sweep_<backend>_<dtype>.json
 #   models    append-attention GPU tests, then the model parity and engine tests with the GPU kernels in the loop
@@ -31,6 +33,8 @@ E2E_CONTEXTS=${E2E_CONTEXTS:-2048,512,8192}  # the contexts of the e2e and peer 
 for stage in "$@"; do
   echo "== $stage ($(date -u +%H:%M:%S))"
   case "$stage" in
+    lower)
+      python3 -m pytest -q -p no:cacheprovider tests/test_decode_attention.py -k "lower" ;;
     evidence)
       python3 -m decodejax evidence --shape 8,8192,32,8,128,16 --out "$OUT" ;;
     sweep)  # SWEEP_ONLY narrows it, e.g. SWEEP_ONLY=mosaic (the test ids name the backend and dtype)

@@ -31,10 +31,10 @@ streams the split's key range [start, end) and returns the split's normalized pa
   of a K/V head ride in a 64-row operand: the query tile is the 8 rows (one TMA tile) of q that
   hold them, read in place when G divides 8 (else the wrapper pads each head's rows to a tile),
   and rows past 8 hold whatever shared memory held. Rows never mix in a matrix product, so the
-  other rows only produce outputs nobody reads; the item's own G rows are copied out. (Keys on the 64 rows instead,
-  S^T = K Q^T then O^T = V^T P^T, would waste nothing, but Mosaic GPU lowers neither form of
-  the second product: a 16-byte swizzle for 8 queries is refused, and with 16 queries the
-  shared-memory P^T's 32-byte swizzle must match V^T's 128.)
+  other rows only produce outputs nobody reads; the item's own G rows are copied out. (Keys on
+  the 64 rows instead, S^T = K Q^T then O^T = V^T P^T, would waste nothing, but Mosaic GPU
+  lowers neither form of the second product: a 16-byte swizzle for 8 queries is refused, and
+  with 16 queries the shared-memory P^T's 32-byte swizzle must match V^T's 128.)
 - A block's pages are found through the page table: page index i of the block reads
   table[c, min(first_page + i, last_page)], where last_page holds the split's last key. Every
   copied page is therefore a page of this request, never past its table; positions outside
@@ -272,7 +272,7 @@ def _decode_body(
     q_smem,  # [q_buffers, 64, D]: the query rows of the current (and next) work item
     k_smem,  # [num_stages, block_k, D]: the K/V ring
     v_smem,
-    o_smem,  # f32[max(1, W - 1), 64, D]: the other warpgroups' states; [0] then holds an f32 output
+    o_smem,  # f32[max(1, W - 1), 64, D]: the other warpgroups' states; [0] then holds the output tile
     ml_smem,  # f32[2, W - 1, 64]: their m and l, or f32[1, 1, 64] for W = 1; [0, 0] then holds the output's lse
     q_barriers,  # one per q buffer: its copy has landed
     q_free_barriers,  # one per q buffer: every compute warpgroup is done with it
