@@ -168,6 +168,12 @@ class SplitPlan:
         return self.slot_bounds(xp, t[:, None], slots, self.total_blocks(xp, t))
 
     @property
+    def whole_requests(self) -> bool:
+        """Whether the plan's one slot is each request whole, [0, T_b) (balanced, capacity 1): a
+        kernel can take its bounds from the lengths, with nothing to build them."""
+        return self.policy == "balanced" and self.capacity == 1
+
+    @property
     def adapts_to_batch(self) -> bool:
         """Whether a request's bounds depend on the batch's lengths (balanced with target_splits
         and more than one split: a single split is the whole request whatever its neighbours)."""

@@ -47,6 +47,17 @@ def test_P1_bounds_run_under_jit_and_match_host():
     np.testing.assert_array_equal(np.asarray(dev[1]), host[1])
 
 
+@pytest.mark.parametrize("plan,whole", [(SplitPlan(1, 1, align=128), True), (SplitPlan(1, 2, align=128), False),
+                                        (SplitPlan(2, 2, align=128), False)])
+def test_whole_request_plans_bound_each_request_by_its_length(plan, whole):
+    """`whole_requests` (a kernel then takes [0, T_b) from the lengths, with no bounds built) holds
+    exactly where the plan's bounds are that."""
+    lengths = np.array([0, 1, 127, 128, 129, 5000])
+    start, end = plan.bounds(lengths)
+    assert plan.whole_requests == whole
+    assert (np.array_equal(start, np.zeros((6, 1))) and np.array_equal(end, lengths[:, None])) == whole
+
+
 def test_seed_fixture_split_lengths():
     fx = fixtures.SPLIT_LENGTHS
     start, end = planning.balanced_split_bounds(np.array([fx["T"]]), fx["S"])
