@@ -19,7 +19,7 @@
     python -m benchmarks.mosaic_probes triton_deal OUT.json  # the Triton kernel's programs longest split first, or in launch order
     python -m benchmarks.mosaic_probes merge_step OUT.json  # the merge's slots per step: its default, or 16
     python -m benchmarks.mosaic_probes mosaic_call OUT.json  # the Mosaic call's kernels beside the Triton call's, eight cases
-    python -m benchmarks.mosaic_probes d64_configs OUT.json  # Mosaic tiles at D 64 (larger blocks, deeper rings)
+    python -m benchmarks.mosaic_probes mosaic_tiles OUT.json  # Mosaic tiles and plans at D 64 and 128
 
 `layout`: are strided page copies (NHD rows are H_kv * D apart) what holds the kernel back?
 `configs`: do configs small enough for two programs per SM (80 KiB of shared memory) beat the
@@ -101,10 +101,14 @@ place where G divides 8, writes rows straight to o [B, H_q, S, D], and at one sl
 call's output in q's dtype without an argsort. Which launches are left, and what does the call
 cost against the Triton call on the benchmark's eight cases: back to back, inside one program
 (`time_in_program`), and by the kernels' GPU time (a trace of 20 calls)?
-`d64_configs`: at D 64 the Mosaic kernel is compute-bound (the `bottleneck` probe: 144.6 us with
-its matmuls and softmax, 97.5 without); half the bytes per block meet the same per-block work.
-Do 128-token blocks (half the blocks, so half the per-block barriers, loop and mask setup) or a
-deeper ring help there? Host clock and inside one program.
+`mosaic_tiles`: at D 64 the Mosaic kernel is compute-bound (the `bottleneck` probe: 144.6 us with
+its matmuls and softmax, 97.5 without); half the bytes per block meet the same per-block work. At
+D 128 the kernel is within 3% of the Triton kernel, and per block it takes about as long as the
+bytes allow. Do 128-token blocks (half the blocks, so half the per-block waits, loop and mask
+setup), a deeper ring, or a third compute warpgroup (more blocks in flight) help at D 64, and what
+do they do at D 128? At B 1 and 8, does half the split target (fewer work items: less to merge,
+fewer per-item waits) help? Host clock and inside one program; a config the kernel's admission
+refuses is left out, one that fails to build is recorded with its error.
 """
 
 from __future__ import annotations
@@ -211,19 +215,37 @@ def _bottleneck_variants(k, v):
     }
 
 
-def plan_patches(target_scale: int = 1, max_split_tokens: int | None = None) -> dict:
+def plan_patches(target_scale: float = 1, max_split_tokens: int | None = None) -> dict:
     """Patches {(module, name): replacement} of the planner's two rules: the splits a batch
-    aims at per K/V head (`decode_target_splits`, times target_scale) and the longest split an
+    aims at per K/V head (`decode_target_splits`, times target_scale, at least 1) and the longest split an
     adaptive plan cuts (`MAX_SPLIT_TOKENS`, which also sets the slot capacity)."""
     from decodejax import planning
 
     target = planning.decode_target_splits
     patches = {}
     if target_scale != 1:
-        patches[(planning, "decode_target_splits")] = lambda *a, **kw: target_scale * target(*a, **kw)
+        patches[(planning, "decode_target_splits")] = lambda *a, **kw: max(1, round(target_scale * target(*a, **kw)))
     if max_split_tokens is not None:
         patches[(planning, "MAX_SPLIT_TOKENS")] = max_split_tokens
     return patches
+
+
+def _tile_variants(k, v, case):
+    """The Mosaic kernel's default, other tiles (block_k, ring slots, compute warpgroups) that its
+    admission takes at the case's head dim, and, for a batch that splits, half the split target."""
+    import jax.numpy as jnp
+
+    from pallas_kernels.decode_attention_mgpu import MosaicDecodeConfig, supports
+
+    mosaic = dict(backend="pallas_mosaic_gpu")
+    variants = {"mgpu/auto": (mosaic, k, v, {})}
+    for block_k, stages, warpgroups in ((64, 8, 2), (128, 2, 2), (128, 4, 2), (64, 3, 3), (64, 6, 3), (128, 3, 3)):
+        config = MosaicDecodeConfig(block_k=block_k, num_stages=stages, compute_warpgroups=warpgroups)
+        if not supports(16, case.head_dim, case.q_heads // case.kv_heads, jnp.bfloat16, config):
+            variants[f"mgpu/bk={block_k},st={stages},wg={warpgroups}"] = (dict(mosaic, config=config), k, v, {})
+    if case.batch <= 8:
+        variants["mgpu/target_half"] = (mosaic, k, v, plan_patches(target_scale=0.5))
+    return variants
 
 
 def _plan_variants(k, v):
@@ -426,12 +448,12 @@ def main(argv=None):
               "in_program": ((1, 32768), (8, 8192), (32, 4096), (128, 1024), (32, 4096, 64)),
               "triton_deal": ((1, 32768), (8, 8192), (32, 4096), (32, 4096, 64)),
               "merge_step": ((1, 2048), (8, 2048), (32, 512), (1, 32768), (8, 8192)),
-              "mosaic_call": (), "d64_configs": ()}[question]
+              "mosaic_call": (), "mosaic_tiles": ()}[question]
     cases = {"plans": list(bench_cases.CASES), "plan_configs": [c for c in bench_cases.CASES if c.name.startswith(
         ("B8_", "B32_", "B64_", "ragged", "d64"))], "programs": bench_cases.selected("ragged_B32_T1-16384"),
              "deal": bench_cases.selected("ragged_B32_T1-16384"),
              "triton_deal": bench_cases.selected("ragged_B32_T1-16384"), "mosaic_call": list(bench_cases.CASES),
-             "d64_configs": bench_cases.selected("d64_B32_T4096")}.get(question, [])
+             "mosaic_tiles": bench_cases.selected("B1_T32768,B8_T8192,B32_T4096,d64_B32_T4096")}.get(question, [])
     for batch, length, *rest in shapes:
         head_dim, kv_heads = (rest + [128, 8][len(rest):])[:2]  # defaults: D 128, 8 K/V heads
         cases.append(bench_cases.Case(f"B{batch}_T{length}_D{head_dim}_Hkv{kv_heads}", batch, length, head_dim=head_dim,
@@ -469,10 +491,8 @@ def main(argv=None):
                 variants[f"mgpu/{name}"] = (dict(backend="pallas_mosaic_gpu"), k, v, patches)
         elif question in ("profile", "mosaic_call"):
             variants["mgpu/auto"] = (dict(backend="pallas_mosaic_gpu"), k, v, {})
-        elif question == "d64_configs":
-            for block_k, stages in ((64, 4), (64, 8), (128, 2), (128, 4), (128, 6)):
-                config = MosaicDecodeConfig(block_k=block_k, num_stages=stages, compute_warpgroups=2)
-                variants[f"mgpu/bk={block_k},st={stages}"] = (dict(backend="pallas_mosaic_gpu", config=config), k, v, {})
+        elif question == "mosaic_tiles":
+            variants.update(_tile_variants(k, v, case))
         elif question == "dispatch":
             floor = jax.jit(lambda q, k, v, table, lens: q * 2)
             out[f"{case.name}/one_op_floor"] = _dispatch_timings(floor, (q, k, v, table, lens))
@@ -580,12 +600,17 @@ def main(argv=None):
             with patched(patches):
                 jax.clear_caches()  # traced again with (or without) the patches
                 fn = jax.jit(functools.partial(decodejax.decode_attention, **options))
-                stats = summarize(time_jax(fn, q, k_pool, v_pool, table, lens), bench_cases.kv_bytes(case))
+                try:
+                    stats = summarize(time_jax(fn, q, k_pool, v_pool, table, lens), bench_cases.kv_bytes(case))
+                except Exception as e:  # a tile that does not build: its error is the answer
+                    out[f"{case.name}/{name}"] = {"error": f"{type(e).__name__}: {str(e)[:2000]}"}
+                    print(f"{case.name} {name} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                    continue
                 if question == "compiler":  # triton/nhd comes first: the others against its output
                     o = np.asarray(fn(q, k_pool, v_pool, table, lens), np.float32)
                     triton_out = o if triton_out is None else triton_out
                     stats["max_abs_diff_vs_triton"] = float(np.max(np.abs(o - triton_out)))
-                if question in ("triton_deal", "mosaic_call", "d64_configs"):
+                if question in ("triton_deal", "mosaic_call", "mosaic_tiles"):
                     stats["in_program"] = summarize(time_in_program(fn, q, k_pool, v_pool, table, lens), bench_cases.kv_bytes(case))
                     stats["in_program_median_us"] = stats["in_program"]["median_us"]
                 if question == "plans":  # as inside a jitted program: no dispatch per call
