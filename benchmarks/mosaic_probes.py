@@ -107,8 +107,9 @@ D 128 the kernel is within 3% of the Triton kernel, and per block it takes about
 bytes allow. Do 128-token blocks (half the blocks, so half the per-block waits, loop and mask
 setup), a deeper ring, or a third compute warpgroup (more blocks in flight) help at D 64, and what
 do they do at D 128? At B 1 and 8, does half the split target (fewer work items: less to merge,
-fewer per-item waits) help? Host clock and inside one program; a config the kernel's admission
-refuses is left out, one that fails to build is recorded with its error.
+fewer per-item waits) help, or twice it? Host clock and inside one program; a config the kernel's
+admission refuses is left out, one that fails to build is recorded with its error. PROBE_VARIANTS
+(a regular expression) narrows the Mosaic variants.
 """
 
 from __future__ import annotations
@@ -118,6 +119,8 @@ import dataclasses
 import functools
 import itertools
 import json
+import os
+import re
 import sys
 
 E2E_TABLE_PAGES = 515  # e2e_decode.py's engine: max context 8,192 + 30 steps + 16, in pages of 16
@@ -239,13 +242,16 @@ def _tile_variants(k, v, case):
 
     mosaic = dict(backend="pallas_mosaic_gpu")
     variants = {"mgpu/auto": (mosaic, k, v, {})}
-    for block_k, stages, warpgroups in ((64, 8, 2), (128, 2, 2), (128, 4, 2), (64, 3, 3), (64, 6, 3), (128, 3, 3)):
+    for block_k, stages, warpgroups in ((64, 4, 2), (64, 8, 2), (128, 2, 2), (128, 4, 2), (128, 6, 2), (64, 3, 3), (64, 6, 3),
+                                        (128, 3, 3)):
         config = MosaicDecodeConfig(block_k=block_k, num_stages=stages, compute_warpgroups=warpgroups)
         if not supports(16, case.head_dim, case.q_heads // case.kv_heads, jnp.bfloat16, config):
             variants[f"mgpu/bk={block_k},st={stages},wg={warpgroups}"] = (dict(mosaic, config=config), k, v, {})
-    if case.batch <= 8:
+    if case.batch <= 8 or case.head_dim < 128:  # where the split target decides the plan
         variants["mgpu/target_half"] = (mosaic, k, v, plan_patches(target_scale=0.5))
-    return variants
+        variants["mgpu/target_x2"] = (mosaic, k, v, plan_patches(target_scale=2))
+    wanted = os.environ.get("PROBE_VARIANTS")  # a regular expression: the variants to run (default all)
+    return {name: spec for name, spec in variants.items() if not wanted or re.search(wanted, name)}
 
 
 def _plan_variants(k, v):

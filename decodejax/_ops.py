@@ -97,10 +97,12 @@ def _validate_paged_args(q, k_pages, v_pages, page_table, seq_lens, cache_batch_
 
 
 def decode_plan(
-    batch: int, kv_heads: int, max_len: int, split_align: int, *, num_splits: int | None, deterministic: bool, head_dim: int = 128
+    batch: int, kv_heads: int, max_len: int, split_align: int, *, num_splits: int | None, deterministic: bool, head_dim: int = 128,
+    items_per_sm: int = 2,
 ) -> planning.SplitPlan:
     """The split plan of one decode call: static (shapes only); its bounds follow the lengths and fall on
-    multiples of `split_align` tokens (the kernel config's `split_align`)."""
+    multiples of `split_align` tokens, and an auto plan aims at `items_per_sm` work items per SM (both
+    the kernel config's)."""
     if deterministic:
         if num_splits is not None:
             raise ValueError(f"num_splits={num_splits} cannot be combined with deterministic=True (fixed chunks)")
@@ -108,8 +110,9 @@ def decode_plan(
         return planning.SplitPlan(1, capacity, policy="fixed_chunk", chunk=DETERMINISTIC_CHUNK)
     if num_splits is None:  # auto: the slots the shapes allow, used as the lengths need
         sms = _num_sms()
-        capacity = planning.decode_split_capacity(batch, kv_heads, max_len, split_align, sms, head_dim)
-        return planning.SplitPlan(capacity, capacity, align=split_align, target_splits=planning.decode_target_splits(kv_heads, sms, head_dim),
+        capacity = planning.decode_split_capacity(batch, kv_heads, max_len, split_align, sms, head_dim, items_per_sm=items_per_sm)
+        target = planning.decode_target_splits(kv_heads, sms, head_dim, items_per_sm)
+        return planning.SplitPlan(capacity, capacity, align=split_align, target_splits=target,
                                   max_split_blocks=planning.split_cap_blocks(split_align))
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
@@ -214,7 +217,7 @@ def _attention_pallas(q, k_pages, v_pages, page_table, seq_lens, *, layout, cach
         raise ValueError(f"config={config!r} does not configure this backend's kernel (a {config_type.__name__})")
     config = kernel.default_config(D) if config is None else config
     plan = decode_plan(B, H_kv, page_table.shape[1] * P, config.split_align, num_splits=num_splits, deterministic=deterministic,
-                       head_dim=D)
+                       head_dim=D, items_per_sm=config.items_per_sm)
     seq_lens, page_table = seq_lens.astype(jnp.int32), page_table.astype(jnp.int32)
     cache_rows = None if cache_batch_idx is None else cache_batch_idx.astype(jnp.int32)
     options = dict(layout=layout, sm_scale=sm_scale, soft_cap=None if soft_cap is None else float(soft_cap), mask=mask,
@@ -239,7 +242,10 @@ def _attention_pallas(q, k_pages, v_pages, page_table, seq_lens, *, layout, cach
             o, lse = _merge_xla(part_o, part_lse) if mosaic else _merge_pallas(part_o, part_lse, interpret=interpret)
     out = (o.astype(q.dtype), lse) if return_lse else (o.astype(q.dtype),)
     if return_partial_states:
-        out = out + (split_state.LseState(valid=part_lse > -jnp.inf, lse=part_lse, o=part_o),)
+        valid = part_lse > -jnp.inf
+        if mosaic:  # its EMPTY slots' o is undefined (see paged_decode_partials): EMPTY is (0, -inf)
+            part_o = jnp.where(valid[..., None], part_o, 0.0)
+        out = out + (split_state.LseState(valid=valid, lse=part_lse, o=part_o),)
     return out if len(out) > 1 else out[0]
 
 

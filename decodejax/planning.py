@@ -270,6 +270,7 @@ def decode_split_capacity(
     num_sms: int,
     head_dim: int = 128,
     *,
+    items_per_sm: int = 2,
     max_splits: int = 64,
 ) -> int:
     """Split capacity S of the paged decode kernel: the slots per request its grid has.
@@ -291,7 +292,7 @@ def decode_split_capacity(
     long request among many short ones at such a batch runs in one split.
     """
     blocks = -(-max_len // block_k)
-    target = decode_target_splits(kv_heads, num_sms, head_dim)
+    target = decode_target_splits(kv_heads, num_sms, head_dim, items_per_sm)
     fills_gpu = batch * kv_heads >= PROGRAMS_PER_SM * num_sms * 128 // head_dim
     cap = None if fills_gpu else split_cap_blocks(block_k)
     return int(_adaptive_count(np, blocks, batch * blocks, max_splits, target, cap))
@@ -302,15 +303,17 @@ def split_cap_blocks(block_k: int) -> int:
     return max(1, MAX_SPLIT_TOKENS // block_k)
 
 
-def decode_target_splits(kv_heads: int, num_sms: int, head_dim: int = 128) -> int:
+def decode_target_splits(kv_heads: int, num_sms: int, head_dim: int = 128, items_per_sm: int = 2) -> int:
     """Splits a decode batch should have in all (summed over requests), per K/V head.
 
-    About two programs per SM at head_dim 128, scaled by 128 / head_dim so a program streams
-    about the same bytes per block whatever D. On the H200: S = 4 was fastest at B = 8,
-    T = 8192 (D = 128); one split was fastest at B = 32, T = 4096 (D = 128), where two
-    splits were fastest at D = 64 (benchmarks/README.md).
+    About `items_per_sm` work items per SM at head_dim 128, scaled by 128 / head_dim so an item
+    streams about the same bytes whatever D. Two suit the Triton kernel, whose SMs hold several
+    programs at once (`pallas_kernels.decode_attention.DecodeConfig.items_per_sm`); on the H200:
+    S = 4 was fastest at B = 8, T = 8192 (D = 128); one split was fastest at B = 32, T = 4096
+    (D = 128), where two splits were fastest at D = 64 (benchmarks/README.md). The persistent
+    Mosaic kernel takes one (`MosaicDecodeConfig.items_per_sm`).
     """
-    programs = max(1, 2 * num_sms * 128 // head_dim)
+    programs = max(1, items_per_sm * num_sms * 128 // head_dim)
     return max(1, programs // kv_heads)
 
 

@@ -83,6 +83,12 @@ class DecodeConfig:
         """Tokens a split's bounds are multiples of: one block, so no block is shared by two splits."""
         return self.block_k
 
+    @property
+    def items_per_sm(self) -> int:
+        """Work items per SM an auto plan aims at (`planning.decode_target_splits`): two, as an SM
+        holds several programs at once and the hardware starts the next as one ends."""
+        return 2
+
 
 def default_config(head_dim: int) -> DecodeConfig:
     """Heuristic tiling: one K plus one V tile per stage near 64 KiB of shared memory.

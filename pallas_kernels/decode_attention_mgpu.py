@@ -106,6 +106,16 @@ class MosaicDecodeConfig:
         decode kernel alone 132.8 and 129.1)."""
         return self.block_k * self.compute_warpgroups
 
+    @property
+    def items_per_sm(self) -> int:
+        """Work items per SM an auto plan aims at (`planning.decode_target_splits`): one, as each SM
+        runs one persistent program that takes its items in turn, so more items than programs add
+        per-item waits (the query, the hand-over, the output) and slots to merge, not parallelism.
+        On the H200 (benchmarks/results/probe_mosaic_tiles_ac2f871.json, inside one program) half the
+        Triton kernel's two took B 8, T 8,192 from 75.0 to 72.4 us (2 slots instead of 4) and
+        B 1, T 32,768 from 46.8 to 46.2 (16 instead of 32)."""
+        return 1
+
     def row_vectors(self) -> int:
         """Row vectors handed over per other warpgroup: m and l (the output's lse reuses the first);
         with one compute warpgroup only the lse."""
@@ -138,12 +148,19 @@ INTERPRET_PROGRAMS = 2
 
 
 def default_config(head_dim: int) -> MosaicDecodeConfig:
-    """64-token blocks, two compute warpgroups, four ring slots (two at D = 256, for shared memory).
+    """Two compute warpgroups; 64-token blocks in four ring slots (two at D = 256, for shared memory),
+    128-token blocks at D = 64.
 
     On the H200 (D = 128, benchmarks/results/decode_attention_mgpu_sweep.json, one program per
     work item then) six slots were within 5% at B 8 to 128 and 13% slower at B 1; one compute
     warpgroup (three slots) was 1 to 13% slower. Persistent (results/decode_attention_mgpu_
-    persistent_tune.json), two slots with one or two compute warpgroups were 9% slower at B 128."""
+    persistent_tune.json), two slots with one or two compute warpgroups were 9% slower at B 128.
+    At D 64 a block holds half the bytes for the same softmax and waits, and the kernel is bound by
+    them: 128-token blocks in four slots took B 32, T 4,096 from 108.9 to 90.7 us inside one
+    program, while at D 128 they were 53% slower at B 32, and a third compute warpgroup was slower
+    at both (results/probe_mosaic_tiles_ac2f871.json)."""
+    if head_dim == 64:
+        return MosaicDecodeConfig(block_k=128, num_stages=4, compute_warpgroups=2)
     return MosaicDecodeConfig(block_k=64, num_stages=4 if head_dim <= 128 else 2, compute_warpgroups=2)
 
 
@@ -604,8 +621,10 @@ def paged_decode_partials(
     With one slot (S = 1) the kernel writes every item, a request of length 0 as (0, -inf), in
     index order (as the Triton kernel deals only plans of several slots). Without bounds and
     cache rows, and with out_dtype = q.dtype (`MosaicDecodeConfig.staged_output_fits`), the call
-    then launches the kernel alone and its o is the call's output. With more slots EMPTY splits
-    are skipped and masked here.
+    then launches the kernel alone and its o is the call's output. With more slots the kernel
+    skips EMPTY splits: their lse is set to -inf here, and their o is left as the slot held it
+    (undefined), since a merge never reads an EMPTY state's o as data; a caller that hands the
+    states on zeroes it (on the H200 the zeroing here was a kernel of its own at B 1, 2.3 us).
 
     Shapes and dtypes are checked by the public op `decodejax.decode_attention` and admission
     (`supports`); this wrapper only checks what the kernel itself assumes.
@@ -678,6 +697,5 @@ def paged_decode_partials(
     o = o if staged else _item_rows(o, group, q_row_stride)
     if S == 1:
         return o, lse
-    # The kernel skips EMPTY splits: their slots hold whatever was there, and read as EMPTY here.
-    live = (split_end > split_start)[:, None, :]  # [B, 1, S]
-    return jnp.where(live[..., None], o, 0.0), jnp.where(live, lse, -jnp.inf)
+    # The kernel skips EMPTY splits: their slots hold whatever was there; the lse marks them EMPTY.
+    return o, jnp.where((split_end > split_start)[:, None, :], lse, -jnp.inf)
