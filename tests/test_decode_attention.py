@@ -161,10 +161,11 @@ class DecodeAttentionCases:
     plan_spec = Spec(batch=4, q_heads=16, kv_heads=8, head_dim=64, page_size=16, width=200)
     plan_lengths = (3200, 3100, 2900, 1500)
 
-    def split_align(self, head_dim: int) -> int:
+    def kernel_config(self, head_dim: int):
+        """The kernel's default tiling, which its plan's alignment and split target follow."""
         from pallas_kernels.decode_attention import default_config
 
-        return default_config(head_dim).split_align
+        return default_config(head_dim)
 
     @pytest.mark.parametrize("plan_options", [{}, {"num_splits": 3}, {"deterministic": True}, {"max_split_tokens": 128}],
                              ids=["auto", "splits=3", "deterministic", "auto_capped"])
@@ -181,15 +182,17 @@ class DecodeAttentionCases:
         args = to_device(problem, jnp.bfloat16)
         _, _, parts = decodejax.decode_attention(**args, return_lse=True, return_partial_states=True, backend=self.backend,
                                                  **plan_options)
-        plan = decodejax._ops.decode_plan(spec.batch, spec.kv_heads, spec.width * spec.page_size, self.split_align(spec.head_dim),
+        config = self.kernel_config(spec.head_dim)
+        plan = decodejax._ops.decode_plan(spec.batch, spec.kv_heads, spec.width * spec.page_size, config.split_align,
                                           num_splits=plan_options.get("num_splits"),
-                                          deterministic=plan_options.get("deterministic", False), head_dim=spec.head_dim)
+                                          deterministic=plan_options.get("deterministic", False), head_dim=spec.head_dim,
+                                          items_per_sm=config.items_per_sm)
         start, end = plan.bounds(np.asarray(problem["seq_lens"]))
         assert parts.lse.shape == (spec.batch, spec.q_heads, plan.capacity)
         if not plan_options and self.plan_spec is DecodeAttentionCases.plan_spec:  # the cases the kernel's batch sum serves
             assert plan.adapts_to_batch
             # The bounds without the rule under test (the cap where it binds, else the batch's total) differ.
-            capped = decodejax.planning.MAX_SPLIT_TOKENS <= self.split_align(spec.head_dim)
+            capped = decodejax.planning.MAX_SPLIT_TOKENS <= config.split_align
             without = dataclasses.replace(plan, max_split_blocks=None) if capped else dataclasses.replace(
                 plan, target_splits=None, max_split_blocks=None)
             assert not np.array_equal(without.bounds(np.asarray(problem["seq_lens"]))[1], end)
@@ -307,6 +310,19 @@ class MosaicDecodeAttentionCases(DecodeAttentionCases):
         ref_o, ref_lse = oracle(args, KVLayout.PAGED_NHD)
         assert_matches_oracle(o, lse, ref_o, ref_lse, "bfloat16", problem["seq_lens"])
 
+    def test_one_request_in_several_slots_matches_oracle(self):
+        """A single request's splits are taken in index order (no ranking), a longer first split
+        and an EMPTY last slot among them."""
+        spec = Spec(batch=1, q_heads=4, kv_heads=1, head_dim=128, page_size=16, width=48)
+        problem = make_problem(spec, np.random.default_rng(19), lengths=(700,))
+        args = to_device(problem, jnp.bfloat16)
+        o, lse, parts = self.run(args, num_splits=7, return_partial_states=True)
+        # 700 tokens in 6 aligned units of 128: splits of 2, 1, 1, 1, 1 (ending at 700) and 1 unit, then EMPTY
+        np.testing.assert_array_equal(np.asarray(parts.valid[0, 0]), [True] * 6 + [False])
+        ref_o, ref_lse = oracle(args, KVLayout.PAGED_NHD)
+        assert_matches_oracle(o, lse, ref_o, ref_lse, "bfloat16", problem["seq_lens"])
+        np.testing.assert_array_equal(np.asarray(parts.o[0, :, 6]), 0.0)  # EMPTY reads (0, -inf)
+
     @pytest.mark.parametrize("compute_warpgroups,stages", [(2, 4), (3, 3)])
     def test_partial_states_do_not_depend_on_the_items_before(self, compute_warpgroups, stages):
         """Batch invariance of the persistent kernel: one program walks every item, and request
@@ -326,10 +342,10 @@ class MosaicDecodeAttentionCases(DecodeAttentionCases):
         np.testing.assert_array_equal(np.asarray(together.o[2:]), np.asarray(alone.o))
         np.testing.assert_array_equal(np.asarray(together.lse[2:]), np.asarray(alone.lse))
 
-    def split_align(self, head_dim: int) -> int:
+    def kernel_config(self, head_dim: int):
         from pallas_kernels.decode_attention_mgpu import default_config
 
-        return default_config(head_dim).split_align
+        return default_config(head_dim)
 
 
 class TestMosaicDecodeAttentionInterpret(MosaicDecodeAttentionCases):
@@ -555,6 +571,18 @@ def test_triton_programs_take_every_item_once_longest_split_first():
     alone = lambda b: [(b, h, s) for s in range(slots) for h in range(kv_heads)]
     assert got == alone(2) + alone(4) + [(b, h, s) for s in range(slots) for h in range(kv_heads) for b in (0, 3)] + alone(1)
     assert dealt([256] * batch + [-1] * 3) == launch_order
+
+
+def test_mosaic_call_ranks_the_splits_of_a_batch_only():
+    """A batch's split slots are ranked by an argsort; one request's are not (its balanced splits
+    differ by at most a block), which leaves its call without the sort and its key."""
+    q, k, table, lens = decode_shapes()
+    with decodejax.dispatch.targeting("gpu", "9.0"):
+        step = jax.jit(lambda q, k, v, t, l: decodejax.decode_attention(q, k, v, t, l, num_splits=4, backend="pallas_mosaic_gpu"))
+        for batch, sorts in ((4, 1), (1, 0)):
+            first = lambda x: jax.ShapeDtypeStruct((batch, *x.shape[1:]), x.dtype)  # the first `batch` requests
+            text = step.trace(first(q), k, k, first(table), first(lens)).lower(lowering_platforms=("cuda",)).as_text()
+            assert text.count("stablehlo.sort") == sorts, batch
 
 
 def test_mosaic_splits_are_dealt_longest_first():
