@@ -155,7 +155,7 @@ def _without(*parts: str) -> dict:
     if "mma" in parts:
         patches |= {(kernel, "_scores"): scores, (kernel, "_accumulate"): lambda acc, p, v_slot, *, interpret: acc}
     if "softmax" in parts:
-        patches[(kernel, "_online_softmax")] = lambda scores, m, l: (scores, jnp.ones_like(m), m, l)
+        patches[(kernel, "_online_softmax")] = lambda scores, m, l, scale: (scores, jnp.ones_like(m), m, l)
     return patches
 
 

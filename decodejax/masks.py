@@ -56,6 +56,20 @@ def visible(q_pos, k_pos, kv_len, mask: DecodeMask = DecodeMask()):
     return causal & (in_window | (k_pos < mask.sinks))
 
 
+def visible_range(q_pos, kv_len, mask: DecodeMask = DecodeMask()):
+    """`visible` as intervals, for a kernel that tests a tile of keys against scalars: key k is
+    visible to the query at q_pos iff lo <= k < hi or 0 <= k < sink_end.
+
+    Returns (lo, hi, sink_end): hi = min(q_pos + 1, kv_len); lo = max(0, q_pos - window_left),
+    0 without a window; sink_end = min(sinks, hi) with a window, else 0 (without one the sinks
+    are inside [0, hi) already). An empty interval has lo >= hi.
+    """
+    hi = jnp.minimum(q_pos + 1, kv_len)
+    if mask.window_left is None:
+        return jnp.zeros_like(hi), hi, jnp.zeros_like(hi)
+    return jnp.maximum(q_pos - mask.window_left, 0), hi, jnp.minimum(mask.sinks, hi)
+
+
 def segment_of(starts, index):
     """The segment holding each index, for sorted starts i32[S + 1] (each segment's start, then the
     end); indices at or past the end map to the last segment (callers mask them)."""

@@ -61,7 +61,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from decodejax.addressing import KVLayout, pool_geometry
-from decodejax.masks import DecodeMask, visible
+from decodejax.masks import DecodeMask, visible_range
 from decodejax.split_state import LOG2_E, rescale_base2
 
 WGMMA_ROWS = 64  # the M of one warpgroup MMA: the padded query rows of a program
@@ -257,12 +257,15 @@ def _row_vector(x, shape):
     return lax.broadcast_in_dim(x, shape, [0])
 
 
-def _online_softmax(scores, m, l):
-    """One block of the running softmax in base 2: scores f32[R, N] (-inf where masked) and the
-    state (m, l) f32[R] -> (p f32[R, N], alpha f32[R] rescaling what came before, m, l)."""
-    m_new = jnp.maximum(m, scores.max(axis=1))
+def _online_softmax(scores, m, l, scale: float):
+    """One block of the running softmax in base 2: scores f32[R, N] (-inf where masked) that
+    scale (> 0) takes to base 2, and the state (m, l) f32[R] -> (p f32[R, N], alpha f32[R]
+    rescaling what came before, m, l). The scale is applied to the row maxima and inside the
+    exponent's argument, where the multiply and the subtraction contract to one FMA an element
+    (the maximum commutes with a positive scale, rounding included)."""
+    m_new = jnp.maximum(m, scores.max(axis=1) * scale)
     m_safe, alpha = rescale_base2(m, m_new)
-    p = jnp.exp2(scores - _row_vector(m_safe, scores.shape))
+    p = jnp.exp2(scores * scale - _row_vector(m_safe, scores.shape))
     return p, alpha, m_new, l * alpha + p.sum(axis=1)
 
 
@@ -432,20 +435,26 @@ def _decode_body(
         for buffer in range(q_buffers):
             pl.when(buffer < live_items)(lambda buffer=buffer: plgpu.barrier_wait(q_free_barriers.at[buffer]))
 
-    def step(j, carry, *, q_tile, g0, start, end, first_block, q_pos, seq_len):
-        """Folds block j of the item (block g0 + j of the stream) into this warpgroup's (acc, m, l)."""
+    def step(j, carry, *, q_tile, g0, start, end, first_block, keys):
+        """Folds block j of the item (block g0 + j of the stream) into this warpgroup's (acc, m, l).
+        keys: the item's visible keys as intervals, `masks.visible_range` within [start, end)."""
         acc, m, l = carry
         slot = lax.rem(g0 + j, num_stages)
         t0 = (first_block + j) * block_k
         plgpu.barrier_wait(k_barriers.at[slot])
-        # Scores in base 2 (the softmax's exp2), with one multiply an element where there is no cap.
-        scores = _scores(q_tile, k_smem.at[slot], interpret=interpret) * (sm_scale * LOG2_E if soft_cap is None else sm_scale)
+        scores = _scores(q_tile, k_smem.at[slot], interpret=interpret)
         plgpu.barrier_arrive(k_consumed_barriers.at[slot])
+        scale = sm_scale * LOG2_E  # to base 2 (the softmax's exp2), inside the softmax's FMA
         if soft_cap is not None:
-            scores = (soft_cap * LOG2_E) * jnp.tanh(scores / soft_cap)
-        t = _positions(t0, scores.shape, 1, interpret=interpret)
-        live = (t >= start) & (t < end) & visible(q_pos, t, seq_len, mask)
-        p, alpha, m_new, l = _online_softmax(jnp.where(live, scores, -jnp.inf), m, l)
+            scores, scale = (soft_cap * LOG2_E) * jnp.tanh(scores * (sm_scale / soft_cap)), 1.0
+        # Each column's key against the intervals, shifted to the block: two compares an element
+        # (four with sinks), not a position and the whole predicate.
+        lo, hi, sink_end = keys
+        column = _positions(0, scores.shape, 1, interpret=interpret)
+        live = (column >= lo - t0) & (column < hi - t0)
+        if mask.window_left is not None and mask.sinks:
+            live = live | ((column >= start - t0) & (column < sink_end - t0))
+        p, alpha, m_new, l = _online_softmax(jnp.where(live, scores, -jnp.inf), m, l, scale)
         plgpu.barrier_wait(v_barriers.at[slot])
 
         @pl.when(t0 + block_k > end)
@@ -514,8 +523,10 @@ def _decode_body(
                     _laid_out(jnp.zeros((rows,), jnp.float32), reduced, interpret=interpret),
                 )
                 plgpu.barrier_wait(q_barriers.at[buffer])
+                lo, hi, sink_end = visible_range(seq_len - 1, seq_len, mask)
+                keys = (jnp.maximum(lo, start), jnp.minimum(hi, end), jnp.minimum(sink_end, end))
                 fold = functools.partial(step, q_tile=q_smem.at[buffer], g0=g0, start=start, end=end, first_block=first_block,
-                                         q_pos=seq_len - 1, seq_len=seq_len)
+                                         keys=keys)
                 mine = jnp.maximum(num_blocks - wg + compute_wgs - 1, 0) // compute_wgs
                 acc, m, l = lax.fori_loop(0, mine, lambda n, c: fold(wg + n * compute_wgs, c), carry)
                 plgpu.barrier_arrive(q_free_barriers.at[buffer])

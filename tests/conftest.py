@@ -4,6 +4,12 @@ import jax
 import numpy as np
 import pytest
 
+# Interpret-mode kernels run each warpgroup as a thread whose barrier waits block inside XLA:CPU
+# callbacks. With async dispatch, those callbacks could occupy every thread of the CPU client's
+# pool (two on the CI machine's two cores) while the warpgroup that would release them waited
+# for one: a Mosaic test with four warpgroups hung there, in two full runs of its file.
+jax.config.update("jax_cpu_enable_async_dispatch", False)
+
 # One tolerance table (absolute, relative) per dtype, declared before any test runs.
 TOLERANCES = {
     "float64": (1e-12, 1e-12),

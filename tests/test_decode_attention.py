@@ -359,7 +359,7 @@ class TestMosaicDecodeAttentionInterpret(MosaicDecodeAttentionCases):
     deterministic_spec = Spec(batch=3, q_heads=2, kv_heads=1, head_dim=64, page_size=16, width=80)
     deterministic_lengths = (1100, 0, 1025)
     deterministic_rows = (0, 2)
-    plan_spec = Spec(batch=2, q_heads=2, kv_heads=1, head_dim=64, page_size=16, width=12)  # auto: 2 slots of 64-token blocks
+    plan_spec = Spec(batch=2, q_heads=2, kv_heads=1, head_dim=128, page_size=16, width=12)  # auto: 2 slots of 128 tokens
     plan_lengths = (150, 64)
 
     @pytest.mark.parametrize("spec,options", [

@@ -6,7 +6,7 @@ import pytest
 
 from conftest import x64
 from decodejax import KVLayout, reference
-from decodejax.masks import DecodeMask, visible
+from decodejax.masks import DecodeMask, visible, visible_range
 
 
 def loop_attention(q, k, v, kv_lens, sm_scale, soft_cap, window_left, sinks):
@@ -82,6 +82,18 @@ def test_M2_bottom_right_causality():
     vis = np.asarray(visible(q_pos[:, None], np.arange(T + C)[None, :], T + C))
     for i in range(C):
         assert vis[i].tolist() == [j < T + i + 1 for j in range(T + C)]
+
+
+@pytest.mark.parametrize("mask", [DecodeMask(), DecodeMask(window_left=0), DecodeMask(window_left=5),
+                                  DecodeMask(window_left=5, sinks=3), DecodeMask(window_left=0, sinks=12), DecodeMask(sinks=4)],
+                         ids=str)
+def test_M1_visible_range_is_visible_as_intervals(mask):
+    """Kernels test a tile of keys against (lo, hi, sink_end): the same keys as `visible` for every
+    query position (inside the request and past it) and request length, keys past both ends too."""
+    q_pos, kv_len, k_pos = np.meshgrid(np.arange(-1, 20), np.arange(0, 20), np.arange(-3, 24), indexing="ij")
+    lo, hi, sink_end = (np.asarray(x) for x in visible_range(jnp.asarray(q_pos), jnp.asarray(kv_len), mask))
+    as_intervals = ((lo <= k_pos) & (k_pos < hi)) | ((0 <= k_pos) & (k_pos < sink_end))
+    np.testing.assert_array_equal(as_intervals, np.asarray(visible(q_pos, k_pos, kv_len, mask)))
 
 
 @pytest.mark.parametrize("layout", [KVLayout.PAGED_NHD, KVLayout.PAGED_HND])
