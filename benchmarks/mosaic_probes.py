@@ -235,7 +235,8 @@ def plan_patches(target_scale: float = 1, max_split_tokens: int | None = None) -
 
 def _tile_variants(k, v, case):
     """The Mosaic kernel's default, other tiles (block_k, ring slots, compute warpgroups) that its
-    admission takes at the case's head dim, and, for a batch that splits, half the split target."""
+    admission takes at the case's head dim, and, where the split target decides the plan, half and
+    twice that target."""
     import jax.numpy as jnp
 
     from pallas_kernels.decode_attention_mgpu import MosaicDecodeConfig, supports

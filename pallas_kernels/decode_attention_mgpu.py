@@ -114,7 +114,8 @@ class MosaicDecodeConfig:
         per-item waits (the query, the hand-over, the output) and slots to merge, not parallelism.
         On the H200 (benchmarks/results/probe_mosaic_tiles_ac2f871.json, inside one program) half the
         Triton kernel's two took B 8, T 8,192 from 75.0 to 72.4 us (2 slots instead of 4) and
-        B 1, T 32,768 from 46.8 to 46.2 (16 instead of 32)."""
+        B 1, T 32,768 from 46.8 to 46.2 (16 instead of 32); with 128-token blocks at D 64, B 32,
+        T 4,096 went from 90.5 to 80.3 (one slot instead of two; probe_mosaic_tiles_a11c695.json)."""
         return 1
 
     def row_vectors(self) -> int:
@@ -158,8 +159,8 @@ def default_config(head_dim: int) -> MosaicDecodeConfig:
     persistent_tune.json), two slots with one or two compute warpgroups were 9% slower at B 128.
     At D 64 a block holds half the bytes for the same softmax and waits, and the kernel is bound by
     them: 128-token blocks in four slots took B 32, T 4,096 from 108.9 to 90.7 us inside one
-    program, while at D 128 they were 53% slower at B 32, and a third compute warpgroup was slower
-    at both (results/probe_mosaic_tiles_ac2f871.json)."""
+    program, while at D 128 they were 53% slower at B 32; a third compute warpgroup was slower than
+    two at D 128 and than these tiles at D 64 (results/probe_mosaic_tiles_ac2f871.json)."""
     if head_dim == 64:
         return MosaicDecodeConfig(block_k=128, num_stages=4, compute_warpgroups=2)
     return MosaicDecodeConfig(block_k=64, num_stages=4 if head_dim <= 128 else 2, compute_warpgroups=2)
@@ -287,7 +288,7 @@ def _decode_body(
     cache_idx_ref,  # i32[B], or None: request b reads table row b
     start_ref,  # i32[B, S], or None with end_ref (one slot): each split is its whole request, [0, seq_len)
     end_ref,  # i32[B, S]
-      order_ref,  # i32[B * S]: the splits b * S + s, longest first; None: in index order (one slot, or one request)
+    order_ref,  # i32[B * S]: the splits b * S + s, longest first; None: in index order (one slot, or one request)
     o_ref,  # [B, H_q, S, D] in the output's dtype through stage_smem, else f32[B, H_kv, S, QUERY_ROWS, D] (query tiles)
     lse_ref,  # f32[B, H_kv, S, QUERY_ROWS]: the lse of the 8-row query tile that holds (b, h)'s rows
     q_smem,  # [q_buffers, 64, D]: the query rows of the current (and next) work item

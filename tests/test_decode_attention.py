@@ -156,8 +156,9 @@ class DecodeAttentionCases:
         np.testing.assert_allclose(np.asarray(merged.o), np.asarray(o, np.float32), atol=2e-2)
         np.testing.assert_allclose(np.asarray(merged.lse), np.asarray(lse), atol=1e-5)
 
-    # Long enough that the auto plan's split counts follow the batch's total (85 blocks of 128
-    # against a target of 66 splits): a kernel that summed the lengths wrongly would differ.
+    # Long enough that the auto plan's split counts follow the batch's total (the Triton kernel's:
+    # 85 blocks of 128 against a target of 66 splits; the Mosaic kernel's: 44 units of 256 against
+    # 33): a kernel that summed the lengths wrongly would differ.
     plan_spec = Spec(batch=4, q_heads=16, kv_heads=8, head_dim=64, page_size=16, width=200)
     plan_lengths = (3200, 3100, 2900, 1500)
 
