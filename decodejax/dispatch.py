@@ -458,15 +458,19 @@ class DecodePlan:
     def create(q, k_pages, page_table, *, layout: KVLayout = KVLayout.PAGED_NHD, num_splits: int | None = None,
                deterministic: bool = False, bucket_mode: bool = False, backend: str = "auto") -> "DecodePlan":
         from decodejax import _ops
-        from pallas_kernels.decode_attention import default_config
+        from pallas_kernels import decode_attention, decode_attention_mgpu
 
         key = DispatchKey.from_call(q, k_pages, layout=layout, page_table=page_table, deterministic=deterministic,
                                     bucket_mode=bucket_mode, backend=backend)
         selected = select(key).backend
         proj = DecodePlan._projection(q, k_pages, page_table, layout, bucket_mode)
+        # The split capacity the selected kernel's own auto plan has (the Triton kernel's for a
+        # backend without splits, whose runs ignore it).
+        kernel = decode_attention_mgpu if selected.startswith("pallas_mosaic_gpu") else decode_attention
+        config = kernel.default_config(proj["head_dim"])
         split = _ops.decode_plan(proj["batch"], proj["num_kv_heads"], proj["table_width"] * proj["page_size"],
-                                 default_config(proj["head_dim"]).split_align, num_splits=num_splits, deterministic=deterministic,
-                                 head_dim=proj["head_dim"])
+                                 config.split_align, num_splits=num_splits, deterministic=deterministic,
+                                 head_dim=proj["head_dim"], items_per_sm=config.items_per_sm)
         return DecodePlan(**proj, split_capacity=split.capacity, backend=selected)
 
     def check(self, q, k_pages, page_table, layout: KVLayout, bucket_mode: bool = False) -> None:

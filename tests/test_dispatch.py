@@ -163,6 +163,22 @@ def test_P2_plan_static_fields_are_pinned_and_dynamic_ones_reuse_it():
         plan.run(q16, k16, k16, t16, jnp.zeros(2, jnp.int32))
 
 
+def test_a_plan_takes_the_split_capacity_of_its_kernels_own_auto_plan():
+    """The Mosaic kernel aims at one work item per SM and the Triton kernel at two, so one request
+    of 32,768 tokens over 8 K/V heads gets 16 and 32 slots; a plan carries its backend's."""
+    from decodejax import _ops
+    from pallas_kernels import decode_attention, decode_attention_mgpu
+
+    q, k, table = jnp.zeros((1, 32, 128), jnp.bfloat16), jnp.zeros((4, 16, 8, 128), jnp.bfloat16), jnp.zeros((1, 2048), jnp.int32)
+    for backend, kernel, slots in (("pallas_mosaic_gpu_interpret", decode_attention_mgpu, 16),
+                                   ("pallas_triton_interpret", decode_attention, 32)):
+        config = kernel.default_config(128)
+        own = _ops.decode_plan(1, 8, 2048 * 16, config.split_align, num_splits=None, deterministic=False, head_dim=128,
+                               items_per_sm=config.items_per_sm)
+        plan = DecodePlan.create(q, k, table, backend=backend)
+        assert plan.backend == backend and plan.split_capacity == own.capacity == slots, (backend, plan.split_capacity)
+
+
 def test_backends_are_small_objects_that_run_operations():
     q, k = jnp.ones((1, 2, 64), jnp.float32), jnp.ones((3, 4, 2, 64), jnp.float32)
     table, lens = jnp.array([[1, 2]], jnp.int32), jnp.array([6], jnp.int32)
