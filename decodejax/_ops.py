@@ -97,12 +97,12 @@ def _validate_paged_args(q, k_pages, v_pages, page_table, seq_lens, cache_batch_
 
 
 def decode_plan(
-    batch: int, kv_heads: int, max_len: int, split_align: int, *, num_splits: int | None, deterministic: bool, head_dim: int = 128,
-    items_per_sm: int = 2,
+    batch: int, kv_heads: int, max_len: int, tiling, *, num_splits: int | None, deterministic: bool, head_dim: int = 128
 ) -> planning.SplitPlan:
-    """The split plan of one decode call: static (shapes only); its bounds follow the lengths and fall on
-    multiples of `split_align` tokens, and an auto plan aims at `items_per_sm` work items per SM (both
-    the kernel config's)."""
+    """The split plan of one decode call: static (shapes only). `tiling` is the kernel's config: the plan's
+    bounds follow the lengths and fall on multiples of its `split_align` tokens, and an auto plan aims
+    at its `items_per_sm` work items per SM."""
+    split_align, items_per_sm = tiling.split_align, tiling.items_per_sm
     if deterministic:
         if num_splits is not None:
             raise ValueError(f"num_splits={num_splits} cannot be combined with deterministic=True (fixed chunks)")
@@ -216,8 +216,7 @@ def _attention_pallas(q, k_pages, v_pages, page_table, seq_lens, *, layout, cach
     if config is not None and not isinstance(config, config_type):
         raise ValueError(f"config={config!r} does not configure this backend's kernel (a {config_type.__name__})")
     config = kernel.default_config(D) if config is None else config
-    plan = decode_plan(B, H_kv, page_table.shape[1] * P, config.split_align, num_splits=num_splits, deterministic=deterministic,
-                       head_dim=D, items_per_sm=config.items_per_sm)
+    plan = decode_plan(B, H_kv, page_table.shape[1] * P, config, num_splits=num_splits, deterministic=deterministic, head_dim=D)
     seq_lens, page_table = seq_lens.astype(jnp.int32), page_table.astype(jnp.int32)
     cache_rows = None if cache_batch_idx is None else cache_batch_idx.astype(jnp.int32)
     options = dict(layout=layout, sm_scale=sm_scale, soft_cap=None if soft_cap is None else float(soft_cap), mask=mask,

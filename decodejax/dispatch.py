@@ -467,10 +467,9 @@ class DecodePlan:
         # The split capacity the selected kernel's own auto plan has (the Triton kernel's for a
         # backend without splits, whose runs ignore it).
         kernel = decode_attention_mgpu if selected.startswith("pallas_mosaic_gpu") else decode_attention
-        config = kernel.default_config(proj["head_dim"])
         split = _ops.decode_plan(proj["batch"], proj["num_kv_heads"], proj["table_width"] * proj["page_size"],
-                                 config.split_align, num_splits=num_splits, deterministic=deterministic,
-                                 head_dim=proj["head_dim"], items_per_sm=config.items_per_sm)
+                                 kernel.default_config(proj["head_dim"]), num_splits=num_splits, deterministic=deterministic,
+                                 head_dim=proj["head_dim"])
         return DecodePlan(**proj, split_capacity=split.capacity, backend=selected)
 
     def check(self, q, k_pages, page_table, layout: KVLayout, bucket_mode: bool = False) -> None:

@@ -90,9 +90,10 @@ def test_plan_probe_patches_the_planner_rules_and_restores_them():
     target and a 2,048-token split cap (so twice the slots), and the planner is itself again after."""
     from benchmarks.mosaic_probes import patched, plan_patches
     from decodejax import _ops, planning
+    from pallas_kernels.decode_attention import DecodeConfig
 
     def ragged_plan():  # B 32, 8 K/V heads, 16,384-token tables, block_k 128 (the benchmark's ragged case)
-        return _ops.decode_plan(32, 8, 16384, 128, num_splits=None, deterministic=False)
+        return _ops.decode_plan(32, 8, 16384, DecodeConfig(block_k=128), num_splits=None, deterministic=False)
 
     rules = (planning.decode_target_splits, planning.MAX_SPLIT_TOKENS)
     before = ragged_plan()
@@ -143,7 +144,7 @@ def test_deal_probe_deals_in_index_order_and_leaves_every_output_as_it_was():
     args = {name: jnp.asarray(x, jnp.bfloat16 if x.dtype == np.float32 else x.dtype) for name, x in problem.items()}
     variants = _deal_variants(None, None)
     deal = variants["mgpu/index_order"][3][(kernel, "split_order")]
-    plan = decodejax._ops.decode_plan(3, 2, spec.width * spec.page_size, kernel.default_config(64).split_align, num_splits=2,
+    plan = decodejax._ops.decode_plan(3, 2, spec.width * spec.page_size, kernel.default_config(64), num_splits=2,
                                       deterministic=False, head_dim=64)
     start, end = (jnp.asarray(x) for x in plan.bounds(problem["seq_lens"]))
     np.testing.assert_array_equal(np.asarray(deal(start, end, 64)), np.arange(6))

@@ -184,10 +184,9 @@ class DecodeAttentionCases:
         _, _, parts = decodejax.decode_attention(**args, return_lse=True, return_partial_states=True, backend=self.backend,
                                                  **plan_options)
         config = self.kernel_config(spec.head_dim)
-        plan = decodejax._ops.decode_plan(spec.batch, spec.kv_heads, spec.width * spec.page_size, config.split_align,
+        plan = decodejax._ops.decode_plan(spec.batch, spec.kv_heads, spec.width * spec.page_size, config,
                                           num_splits=plan_options.get("num_splits"),
-                                          deterministic=plan_options.get("deterministic", False), head_dim=spec.head_dim,
-                                          items_per_sm=config.items_per_sm)
+                                          deterministic=plan_options.get("deterministic", False), head_dim=spec.head_dim)
         start, end = plan.bounds(np.asarray(problem["seq_lens"]))
         assert parts.lse.shape == (spec.batch, spec.q_heads, plan.capacity)
         if not plan_options and self.plan_spec is DecodeAttentionCases.plan_spec:  # the cases the kernel's batch sum serves

@@ -172,9 +172,7 @@ def test_a_plan_takes_the_split_capacity_of_its_kernels_own_auto_plan():
     q, k, table = jnp.zeros((1, 32, 128), jnp.bfloat16), jnp.zeros((4, 16, 8, 128), jnp.bfloat16), jnp.zeros((1, 2048), jnp.int32)
     for backend, kernel, slots in (("pallas_mosaic_gpu_interpret", decode_attention_mgpu, 16),
                                    ("pallas_triton_interpret", decode_attention, 32)):
-        config = kernel.default_config(128)
-        own = _ops.decode_plan(1, 8, 2048 * 16, config.split_align, num_splits=None, deterministic=False, head_dim=128,
-                               items_per_sm=config.items_per_sm)
+        own = _ops.decode_plan(1, 8, 2048 * 16, kernel.default_config(128), num_splits=None, deterministic=False, head_dim=128)
         plan = DecodePlan.create(q, k, table, backend=backend)
         assert plan.backend == backend and plan.split_capacity == own.capacity == slots, (backend, plan.split_capacity)
 

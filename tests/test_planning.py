@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from decodejax import fixtures, planning
 from decodejax.planning import PlanMismatch, SplitPlan
+from pallas_kernels.decode_attention import DecodeConfig
 
 
 def assert_exact_cover(lengths, start, end):
@@ -150,7 +151,7 @@ def test_auto_split_counts_match_the_h200_measurements():
 
     expected = {(1, 32768, 128): 32, (8, 8192, 128): 4, (32, 4096, 128): 1, (64, 2048, 128): 1, (128, 1024, 128): 1, (32, 4096, 64): 2}
     for (batch, length, d), best in expected.items():
-        plan = _ops.decode_plan(batch, 8, length, 128, num_splits=None, deterministic=False, head_dim=d)
+        plan = _ops.decode_plan(batch, 8, length, DecodeConfig(block_k=128), num_splits=None, deterministic=False, head_dim=d)
         start, end = plan.bounds(np.full(batch, length))
         assert np.all((end > start).sum(1) == best), (batch, length, d)
         assert plan.capacity == best, (batch, length, d)
@@ -175,7 +176,7 @@ def test_auto_plan_caps_its_splits_at_max_split_tokens():
     same shapes still runs one split per request."""
     from decodejax import _ops
 
-    plan = _ops.decode_plan(32, 8, 16384, 128, num_splits=None, deterministic=False)
+    plan = _ops.decode_plan(32, 8, 16384, DecodeConfig(block_k=128), num_splits=None, deterministic=False)
     lengths = np.array([16384] + [8192] * 31)
     start, end = plan.bounds(lengths)
     assert_exact_cover(lengths, start, end)
