@@ -10,8 +10,8 @@ import pytest
 
 import decodejax
 from decodejax import KVLayout
-from paged_problems import Spec, make_problem
-from test_decode_attention import DTYPES, LSE_ATOL, TOLERANCES, MosaicDecodeAttentionCases, TritonDecodeAttentionCases, oracle, to_device
+from paged_problems import Spec, draw_on_device
+from test_decode_attention import DTYPES, LSE_ATOL, TOLERANCES, MosaicDecodeAttentionCases, TritonDecodeAttentionCases, oracle
 
 pytestmark = [
     pytest.mark.gpu,
@@ -60,11 +60,11 @@ def test_ten_thousand_rows_per_dtype(dtype_name, backend, sweep):
         step = jax.jit(lambda a: decodejax.decode_attention(**a, return_lse=True, backend=backend, **options))
         ref = jax.jit(lambda a: oracle(a, KVLayout.PAGED_NHD, **{k: v for k, v in options.items() if k in ("sm_scale", "soft_cap", "window_left", "sinks")}))
         for draw in range(DRAWS):
-            problem = make_problem(spec, np.random.default_rng(1000 * i + draw), num_pages=spec.batch * spec.width + 4)
-            args = to_device(problem, DTYPES[dtype_name])
+            # Pools of up to 1.7 GB a draw: drawn on the device, or numpy would take most of the run.
+            args = draw_on_device(spec, np.random.default_rng(1000 * i + draw), DTYPES[dtype_name], num_pages=spec.batch * spec.width + 4)
+            live = args.pop("host_seq_lens") > 0
             o, lse = (np.asarray(x, np.float32) for x in step(args))
             ref_o, ref_lse = (np.asarray(x) for x in ref(args))
-            live = problem["seq_lens"] > 0
             err = np.abs(o - ref_o) - (atol + rtol * np.abs(ref_o))
             out_of_tol += int((err > 0).any(axis=(1, 2)).sum())
             lse_err = np.abs(np.where(live[:, None], lse, 0) - np.where(live[:, None], ref_lse, 0))
