@@ -436,11 +436,9 @@ def _decode_body(
         for buffer in range(q_buffers):
             pl.when(buffer < live_items)(lambda buffer=buffer: plgpu.barrier_wait(q_free_barriers.at[buffer]))
 
-    def step(j, carry, *, q_tile, g0, start, end, first_block, keys, masked: bool):
+    def step(j, carry, *, q_tile, g0, start, end, first_block, keys):
         """Folds block j of the item (block g0 + j of the stream) into this warpgroup's (acc, m, l).
-        keys: the item's visible keys as intervals, `masks.visible_range` within [start, end).
-        masked=False: the block lies inside [lo, hi) (`interior_blocks`), so every key is visible
-        and none is at or past `end`: the mask and the V rows' zeroing are left out."""
+        keys: the item's visible keys as intervals, `masks.visible_range` within [start, end)."""
         acc, m, l = carry
         slot = lax.rem(g0 + j, num_stages)
         t0 = (first_block + j) * block_k
@@ -450,25 +448,22 @@ def _decode_body(
         scale = sm_scale * LOG2_E  # to base 2 (the softmax's exp2), inside the softmax's FMA
         if soft_cap is not None:
             scores, scale = (soft_cap * LOG2_E) * jnp.tanh(scores * (sm_scale / soft_cap)), 1.0
-        if masked:  # each column's key against the intervals, shifted to the block: two compares an
-            # element (four with sinks), not a position and the whole predicate
-            lo, hi, sink_end = keys
-            column = _positions(0, scores.shape, 1, interpret=interpret)
-            live = (column >= lo - t0) & (column < hi - t0)
-            if mask.window_left is not None and mask.sinks:
-                live = live | ((column >= start - t0) & (column < sink_end - t0))
-            scores = jnp.where(live, scores, -jnp.inf)
-        p, alpha, m_new, l = _online_softmax(scores, m, l, scale)
+        # Each column's key against the intervals, shifted to the block: two compares an element
+        # (four with sinks), not a position and the whole predicate.
+        lo, hi, sink_end = keys
+        column = _positions(0, scores.shape, 1, interpret=interpret)
+        live = (column >= lo - t0) & (column < hi - t0)
+        if mask.window_left is not None and mask.sinks:
+            live = live | ((column >= start - t0) & (column < sink_end - t0))
+        p, alpha, m_new, l = _online_softmax(jnp.where(live, scores, -jnp.inf), m, l, scale)
         plgpu.barrier_wait(v_barriers.at[slot])
 
-        def zero_rows_past_end():
+        @pl.when(t0 + block_k > end)
+        def _zero_rows_past_end():
             v = _load(v_smem.at[slot], plgpu.Layout.WGMMA, interpret=interpret)
             rows = _positions(t0, v.shape, 0, interpret=interpret)
             v_smem[slot] = jnp.where(rows < end, v, jnp.zeros_like(v))
             plgpu.commit_smem()  # the MMA reads through the async proxy
-
-        if masked:  # (an interior block ends at or before end)
-            pl.when(t0 + block_k > end)(zero_rows_past_end)
 
         acc = _accumulate(acc * _row_vector(alpha, acc.shape), p.astype(v_smem.dtype), v_smem.at[slot], interpret=interpret)
         plgpu.barrier_arrive(v_consumed_barriers.at[slot])
@@ -514,15 +509,6 @@ def _decode_body(
         rows = q_smem.shape[1]
         reduced = plgpu.Layout.WGMMA.reduce(1)
 
-        def interior_blocks(lo, hi, mine):
-            """[n0, n1): this warpgroup's indices n (block wg + n * compute_wgs of the item) whose
-            block lies inside [lo, hi), tokens counted from the item's first block, within [0, mine)."""
-            first = (jnp.maximum(lo, 0) + block_k - 1) // block_k  # the first whole block inside
-            last = jnp.maximum(hi, 0) // block_k  # one past the last
-            n0 = jnp.minimum((jnp.maximum(first - wg, 0) + compute_wgs - 1) // compute_wgs, mine)
-            n1 = jnp.maximum(jnp.minimum((jnp.maximum(last - wg, 0) + compute_wgs - 1) // compute_wgs, mine), n0)
-            return n0, n1
-
         def item(k, carry):
             g0, live = carry  # stream position, live (non-EMPTY) items so far
             b, h, s, start, end, first_block, num_blocks = work_item(k)
@@ -543,14 +529,7 @@ def _decode_body(
                 fold = functools.partial(step, q_tile=q_smem.at[buffer], g0=g0, start=start, end=end, first_block=first_block,
                                          keys=keys)
                 mine = jnp.maximum(num_blocks - wg + compute_wgs - 1, 0) // compute_wgs
-                # This warpgroup's blocks wg + n * compute_wgs, in order, in three runs: the masked
-                # ones before and after the interior ones (the same sums as one masked run: the mask
-                # is all true there).
-                n0, n1 = interior_blocks(keys[0] - first_block * block_k, keys[1] - first_block * block_k, mine)
-                for first, last, masked in ((0, n0, True), (n0, n1, False), (n1, mine, True)):
-                    carry = lax.fori_loop(first, last, lambda n, c, masked=masked: fold(wg + n * compute_wgs, c, masked=masked),
-                                          carry)
-                acc, m, l = carry
+                acc, m, l = lax.fori_loop(0, mine, lambda n, c: fold(wg + n * compute_wgs, c), carry)
                 plgpu.barrier_arrive(q_free_barriers.at[buffer])
                 if compute_wgs == 1:  # no padding positions, no states to hand over
                     write_output(acc, m, l, b, h, s)
