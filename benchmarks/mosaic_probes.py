@@ -234,8 +234,8 @@ def plan_patches(target_scale: float = 1, max_split_tokens: int | None = None) -
 
 
 def _tile_variants(k, v, case):
-    """The Mosaic kernel's default, other tiles (block_k, ring slots, compute warpgroups) that its
-    admission takes at the case's head dim, and, where the split target decides the plan, half and
+    """The Mosaic kernel's default, other tiles (block_k, ring slots, compute warpgroups; the
+    query-row form, then keys on rows) that its admission takes at the case's head dim, and, where the split target decides the plan, half and
     twice that target."""
     import jax.numpy as jnp
 
@@ -243,11 +243,13 @@ def _tile_variants(k, v, case):
 
     mosaic = dict(backend="pallas_mosaic_gpu")
     variants = {"mgpu/auto": (mosaic, k, v, {})}
-    for block_k, stages, warpgroups in ((64, 4, 2), (64, 8, 2), (128, 2, 2), (128, 4, 2), (128, 6, 2), (64, 3, 3), (64, 6, 3),
-                                        (128, 3, 3)):
-        config = MosaicDecodeConfig(block_k=block_k, num_stages=stages, compute_warpgroups=warpgroups)
+    tiles = [(64, 4, 2), (64, 8, 2), (128, 2, 2), (128, 4, 2), (128, 6, 2), (64, 3, 3), (64, 6, 3), (128, 3, 3)]
+    keys_on_rows = [(64, 4, 1), (64, 6, 1), (128, 3, 1), (128, 4, 1), (128, 6, 1)]  # one compute warpgroup (admission)
+    for (block_k, stages, warpgroups), on_rows in [(t, False) for t in tiles] + [(t, True) for t in keys_on_rows]:
+        config = MosaicDecodeConfig(block_k=block_k, num_stages=stages, compute_warpgroups=warpgroups, keys_on_rows=on_rows)
         if not supports(16, case.head_dim, case.q_heads // case.kv_heads, jnp.bfloat16, config):
-            variants[f"mgpu/bk={block_k},st={stages},wg={warpgroups}"] = (dict(mosaic, config=config), k, v, {})
+            name = f"mgpu/{'keys_on_rows,' if on_rows else ''}bk={block_k},st={stages},wg={warpgroups}"
+            variants[name] = (dict(mosaic, config=config), k, v, {})
     if case.batch <= 8 or case.head_dim < 128:  # where the split target decides the plan
         variants["mgpu/target_half"] = (mosaic, k, v, plan_patches(target_scale=0.5))
         variants["mgpu/target_x2"] = (mosaic, k, v, plan_patches(target_scale=2))

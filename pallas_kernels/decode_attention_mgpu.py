@@ -32,10 +32,14 @@ streams the split's key range [start, end) and returns the split's normalized pa
   of a K/V head ride in a 64-row operand: the query tile is the 8 rows (one TMA tile) of q that
   hold them, read in place when G divides 8 (else the wrapper pads each head's rows to a tile),
   and rows past 8 hold whatever shared memory held. Rows never mix in a matrix product, so the
-  other rows only produce outputs nobody reads; the item's own G rows are copied out. (Keys on
-  the 64 rows instead, S^T = K Q^T then O^T = V^T P^T, would waste nothing, but Mosaic GPU
-  lowers neither form of the second product: a 16-byte swizzle for 8 queries is refused, and
-  with 16 queries the shared-memory P^T's 32-byte swizzle must match V^T's 128.)
+  other rows only produce outputs nobody reads; the item's own G rows are copied out.
+- `MosaicDecodeConfig.keys_on_rows` puts the block's keys on the 64 rows instead: S^T = K Q^T
+  [block_k, 16], the softmax over the rows, then O^T = V^T P^T [D, 16] with P^T through shared
+  memory. The query tile is 16 rows (wgmma's N; a 16-byte swizzle for N = 8 is refused), and V
+  and P^T use a 32-byte swizzle, since Mosaic GPU's wgmma takes one swizzle for both operands and
+  P^T's 16 columns are 32 bytes. O^T leaves whole ([D, 16], f32) and the wrapper transposes it.
+  The reductions over the rows cross warps through Mosaic GPU's one reduction scratch, so this
+  form runs one compute warpgroup.
 - A block's pages are found through the page table: page index i of the block reads
   table[c, min(first_page + i, last_page)], where last_page holds the split's last key. Every
   copied page is therefore a page of this request, never past its table; positions outside
@@ -66,6 +70,12 @@ from decodejax.split_state import LOG2_E, rescale_base2
 
 WGMMA_ROWS = 64  # the M of one warpgroup MMA: the padded query rows of a program
 QUERY_ROWS = 8  # the G query rows of a K/V head padded to one shared-memory tile
+QUERY_COLUMNS = 16  # keys on rows: the query tile as the MMAs' N (a 32-byte swizzle's 16 elements)
+NARROW_SWIZZLE_BYTES = 32  # keys on rows: V and P^T, whose wgmma needs one swizzle for both
+# Keys on rows: the softmax reduces over the 64 rows, i.e. across a warpgroup's warps, through
+# Mosaic GPU's reduction scratch (its default size). That scratch is one region for the whole
+# program (jax 0.10.2, lowering.scratch_view), so only one compute warpgroup may reduce.
+KEYS_ON_ROWS_REDUCTION_BYTES = 128 * 4 * 4
 TILE_ROWS = 8  # rows of the (8, 64) shared-memory tiling wgmma reads
 SWIZZLE_BYTES = 128
 
@@ -82,18 +92,29 @@ class MosaicDecodeConfig:
       compute_warpgroups: 1 to 3 warpgroups taking turns at the blocks (one more issues copies).
       programs: programs launched, each walking every programs-th work item; None: one per SM
         (one program fills an SM's shared memory), or INTERPRET_PROGRAMS in interpret mode.
+      keys_on_rows: the block's keys on the MMAs' 64 rows and the query tile as their N = 16
+        columns (S^T = K Q^T, O^T = V^T P^T): a quarter of the softmax and MMA work of the
+        query-row form for G <= 8, with V and P^T at a 32-byte swizzle. Not yet measured on a GPU.
     """
 
     block_k: int = 64
     num_stages: int = 4
     compute_warpgroups: int = 2
     programs: int | None = None
+    keys_on_rows: bool = False
+
+    @property
+    def query_rows(self) -> int:
+        """Rows of the query tile in shared memory: wgmma's M (64), or its N with keys on rows."""
+        return QUERY_COLUMNS if self.keys_on_rows else WGMMA_ROWS
 
     def _bytes(self, head_dim: int, itemsize: int, q_buffers: int) -> int:
-        q = q_buffers * WGMMA_ROWS * head_dim * itemsize
+        q = q_buffers * self.query_rows * head_dim * itemsize
         ring = 2 * self.num_stages * self.block_k * head_dim * itemsize
         handoffs = max(1, self.compute_warpgroups - 1)
-        states = handoffs * WGMMA_ROWS * head_dim * 4 + self.row_vectors() * handoffs * WGMMA_ROWS * 4
+        states = handoffs * self.query_rows * head_dim * 4 + self.row_vectors() * handoffs * self.query_rows * 4
+        if self.keys_on_rows:  # each warpgroup's P^T, and the cross-warp reductions' scratch
+            return q + ring + states + self.compute_warpgroups * self.block_k * QUERY_COLUMNS * itemsize + KEYS_ON_ROWS_REDUCTION_BYTES
         return q + ring + states
 
     @property
@@ -134,13 +155,17 @@ class MosaicDecodeConfig:
     def staged_output_fits(self, head_dim: int, itemsize: int, out_itemsize: int) -> bool:
         """Whether an 8-row staging tile of the output (out_itemsize bytes an element) fits beside the
         rest: then the kernel writes each item's G rows to their heads' rows of o, in the output's
-        dtype; else (D 256) whole 8-row query tiles, from which the wrapper takes each item's rows."""
+        dtype; else (D 256, or keys on rows) whole query tiles, from which the wrapper takes each
+        item's rows."""
+        if self.keys_on_rows:  # its output leaves as O^T, columns per query (no transposed store lowers)
+            return False
         return self.shared_memory_bytes(head_dim, itemsize) + QUERY_ROWS * head_dim * out_itemsize <= SHARED_MEMORY_BUDGET
 
 
 # Shared memory a block may use on the H100/H200 (227 KiB = 232,448 bytes), less what Mosaic GPU
 # adds: it rounds the scratch up to whole KiB, then adds CompilerParams.reduction_scratch_bytes
-# (0 here: every reduction of the kernel stays inside a warp) and 8 bytes a barrier (up to 128
+# (0 here, as every reduction of the kernel stays inside a warp, except with keys on rows, where
+# MosaicDecodeConfig._bytes counts it) and 8 bytes a barrier (up to 128
 # barriers fit in the last KiB). The lowering checks the sum
 # (test_admitted_mosaic_configs_lower_within_shared_memory).
 SHARED_MEMORY_BUDGET = 227 * 1024 - 1024
@@ -174,6 +199,9 @@ def supports(page_size: int, head_dim: int, group: int, dtype, config: MosaicDec
     if config.compute_warpgroups not in (1, 2, 3) or config.num_stages < 2 or config.num_stages % config.compute_warpgroups:
         r.append(f"num_stages={config.num_stages} must be >= 2 and a multiple of "
                  f"compute_warpgroups={config.compute_warpgroups} (1 to 3)")
+    if config.keys_on_rows and config.compute_warpgroups != 1:
+        r.append(f"keys_on_rows with compute_warpgroups={config.compute_warpgroups}: its cross-warp reductions "
+                 "share one scratch region, so one compute warpgroup only")
     if config.programs is not None and config.programs < 1:
         r.append(f"programs={config.programs} must be >= 1 (or None: one per SM)")
     if page_size <= 0 or page_size % TILE_ROWS:
@@ -211,16 +239,21 @@ def split_order(split_start: jax.Array, split_end: jax.Array, block_k: int) -> j
     return jnp.argsort(-blocks, stable=True).astype(jnp.int32)
 
 
-def _scores(q_smem, k_slot, *, interpret: bool):
-    """q [64, D] @ k_slot^T -> f32 [64, block_k]."""
+def _scores(q_smem, k_slot, *, keys_on_rows: bool, interpret: bool):
+    """q [R, D] @ k_slot^T -> f32 [R, block_k]; keys on rows, k_slot @ q^T -> f32 [block_k, R]."""
     if interpret:  # the interpreter's wgmma takes neither transposed nor register operands
-        return jnp.dot(q_smem[...], k_slot[...].T, preferred_element_type=jnp.float32)
+        q, k = q_smem[...], k_slot[...]
+        return jnp.dot(*((k, q.T) if keys_on_rows else (q, k.T)), preferred_element_type=jnp.float32)
 
     def mma(acc_ref):
-        plgpu.wgmma(acc_ref, q_smem, k_slot.transpose((1, 0)))
+        if keys_on_rows:
+            plgpu.wgmma(acc_ref, k_slot, q_smem.transpose((1, 0)))
+        else:
+            plgpu.wgmma(acc_ref, q_smem, k_slot.transpose((1, 0)))
         return acc_ref[...]
 
-    return pl.run_scoped(mma, plgpu.ACC((q_smem.shape[0], k_slot.shape[0]), jnp.float32))
+    shape = (k_slot.shape[0], q_smem.shape[0]) if keys_on_rows else (q_smem.shape[0], k_slot.shape[0])
+    return pl.run_scoped(mma, plgpu.ACC(shape, jnp.float32))
 
 
 def _accumulate(acc, p, v_slot, *, interpret: bool):
@@ -232,6 +265,18 @@ def _accumulate(acc, p, v_slot, *, interpret: bool):
         plgpu.wgmma(acc_ref, p, v_slot)
 
     return pl.run_state(mma)(plgpu.ACC.init(acc))
+
+
+def _accumulate_transposed(acc_t, p_t_smem, v_slot, *, interpret: bool):
+    """acc_t + v_slot^T [D, block_k] @ p_t_smem [block_k, R] (f32): the weighted sum with keys on rows,
+    P^T read from shared memory (wgmma's B operand)."""
+    if interpret:
+        return acc_t + jnp.dot(v_slot[...].T, p_t_smem[...], preferred_element_type=jnp.float32)
+
+    def mma(acc_ref):
+        plgpu.wgmma(acc_ref, v_slot.transpose((1, 0)), p_t_smem)
+
+    return pl.run_state(mma)(plgpu.ACC.init(acc_t))
 
 
 def _laid_out(x, layout, *, interpret: bool):
@@ -253,29 +298,33 @@ def _load(ref, layout, *, interpret: bool, optimized: bool = True):
     return ref[...] if interpret else plgpu.load(ref, (), layout=layout, optimized=optimized)
 
 
-def _row_vector(x, shape):
-    """[R] -> [R, N], each row's value repeated (the form Mosaic GPU broadcasts in)."""
-    return lax.broadcast_in_dim(x, shape, [0])
+def _row_vector(x, shape, axis: int = 0):
+    """[R] -> shape, each query's value repeated along the other axis; `axis` is the query axis of
+    `shape` (0 when queries are rows, 1 with keys on rows). The form Mosaic GPU broadcasts in."""
+    return lax.broadcast_in_dim(x, shape, [axis])
 
 
-def _online_softmax(scores, m, l, scale: float):
-    """One block of the running softmax in base 2: scores f32[R, N] (-inf where masked) that
-    scale (> 0) takes to base 2, and the state (m, l) f32[R] -> (p f32[R, N], alpha f32[R]
-    rescaling what came before, m, l). The scale is applied to the row maxima and inside the
-    exponent's argument, where the multiply and the subtraction contract to one FMA an element
-    (the maximum commutes with a positive scale, rounding included)."""
-    m_new = jnp.maximum(m, scores.max(axis=1) * scale)
+def _online_softmax(scores, m, l, scale: float, axis: int = 0):
+    """One block of the running softmax in base 2: scores f32[R, N] (-inf where masked; queries
+    along `axis`, keys along the other) that scale (> 0) takes to base 2, and the state (m, l)
+    f32[queries] -> (p like scores, alpha f32[queries] rescaling what came before, m, l). The
+    scale is applied to the maxima and inside the exponent's argument, where the multiply and the
+    subtraction contract to one FMA an element (the maximum commutes with a positive scale,
+    rounding included)."""
+    keys = 1 - axis
+    m_new = jnp.maximum(m, scores.max(axis=keys) * scale)
     m_safe, alpha = rescale_base2(m, m_new)
-    p = jnp.exp2(scores * scale - _row_vector(m_safe, scores.shape))
-    return p, alpha, m_new, l * alpha + p.sum(axis=1)
+    p = jnp.exp2(scores * scale - _row_vector(m_safe, scores.shape, axis))
+    return p, alpha, m_new, l * alpha + p.sum(axis=keys)
 
 
-def _merge_states(acc, m, l, acc_other, m_other, l_other):
-    """Two running states (acc f32[R, D], m, l f32[R], base 2) of disjoint blocks -> one."""
+def _merge_states(acc, m, l, acc_other, m_other, l_other, axis: int = 0):
+    """Two running states (acc f32 with queries along `axis`, m, l f32[queries], base 2) of
+    disjoint blocks -> one."""
     m_max = jnp.maximum(m, m_other)
     m_safe, scale = rescale_base2(m, m_max)
     scale_other = jnp.exp2(m_other - m_safe)
-    merged = acc * _row_vector(scale, acc.shape) + acc_other * _row_vector(scale_other, acc.shape)
+    merged = acc * _row_vector(scale, acc.shape, axis) + acc_other * _row_vector(scale_other, acc.shape, axis)
     return merged, m_max, l * scale + l_other * scale_other
 
 
@@ -289,13 +338,14 @@ def _decode_body(
     start_ref,  # i32[B, S], or None with end_ref (one slot): each split is its whole request, [0, seq_len)
     end_ref,  # i32[B, S]
     order_ref,  # i32[B * S]: the splits b * S + s, longest first; None: in index order (one slot, or one request)
-    o_ref,  # [B, H_q, S, D] in the output's dtype through stage_smem, else f32[B, H_kv, S, QUERY_ROWS, D] (query tiles)
+    o_ref,  # [B, H_q, S, D] in the output's dtype through stage_smem, else f32[B, H_kv, S, QUERY_ROWS, D] (query tiles),
+    #        or with keys on rows f32[B, H_kv, S, D, QUERY_COLUMNS] (the tiles transposed)
     lse_ref,  # f32[B, H_kv, S, QUERY_ROWS]: the lse of the 8-row query tile that holds (b, h)'s rows
-    q_smem,  # [q_buffers, 64, D]: the query rows of the current (and next) work item
+    q_smem,  # [q_buffers, R, D]: the query rows of the current (and next) work item (R: config.query_rows)
     k_smem,  # [num_stages, block_k, D]: the K/V ring
     v_smem,
-    o_smem,  # f32[max(1, W - 1), 64, D]: the other warpgroups' states; [0] then holds the output tile
-    ml_smem,  # f32[2, W - 1, 64]: their m and l, or f32[1, 1, 64] for W = 1; [0, 0] then holds the output's lse
+    o_smem,  # f32[max(1, W - 1), R, D] (keys on rows: [.., D, R]): the other warpgroups' states; [0] then the output tile
+    ml_smem,  # f32[2, W - 1, R]: their m and l, or f32[1, 1, R] for W = 1; [0, 0] then holds the output's lse
     q_barriers,  # one per q buffer: its copy has landed
     q_free_barriers,  # one per q buffer: every compute warpgroup is done with it
     k_barriers,  # one per slot, counting the block's page copies
@@ -306,6 +356,8 @@ def _decode_body(
     handoff_free_barrier,  # warpgroup 0 has read them and the output copy has left o_smem
     stage_smem,  # [QUERY_ROWS, D] in o_ref's dtype: the item's query tile's rows on their way out; or None
     *,
+    p_smem=None,  # keys on rows: [compute_wgs, block_k, QUERY_COLUMNS], each warpgroup's P^T for its MMA
+    keys_on_rows: bool,
     group: int,
     q_row_stride: int,
     write_empty: bool,
@@ -325,6 +377,8 @@ def _decode_body(
 ):
     program, wg = lax.axis_index("program"), lax.axis_index("wg")
     d = q_smem.shape[-1]
+    query_axis = 1 if keys_on_rows else 0  # of the states (acc) and scores: queries on columns or rows
+    key_axis = 1 - query_axis
     q_buffers = q_smem.shape[0]
     pages_per_block = max(1, block_k // page_size)
     rounds, last_round = divmod(num_items, programs)
@@ -443,19 +497,19 @@ def _decode_body(
         slot = lax.rem(g0 + j, num_stages)
         t0 = (first_block + j) * block_k
         plgpu.barrier_wait(k_barriers.at[slot])
-        scores = _scores(q_tile, k_smem.at[slot], interpret=interpret)
+        scores = _scores(q_tile, k_smem.at[slot], keys_on_rows=keys_on_rows, interpret=interpret)
         plgpu.barrier_arrive(k_consumed_barriers.at[slot])
         scale = sm_scale * LOG2_E  # to base 2 (the softmax's exp2), inside the softmax's FMA
         if soft_cap is not None:
             scores, scale = (soft_cap * LOG2_E) * jnp.tanh(scores * (sm_scale / soft_cap)), 1.0
-        # Each column's key against the intervals, shifted to the block: two compares an element
-        # (four with sinks), not a position and the whole predicate.
+        # Each key against the intervals, shifted to the block: two compares an element (four
+        # with sinks), not a position and the whole predicate.
         lo, hi, sink_end = keys
-        column = _positions(0, scores.shape, 1, interpret=interpret)
-        live = (column >= lo - t0) & (column < hi - t0)
+        key = _positions(0, scores.shape, key_axis, interpret=interpret)
+        live = (key >= lo - t0) & (key < hi - t0)
         if mask.window_left is not None and mask.sinks:
-            live = live | ((column >= start - t0) & (column < sink_end - t0))
-        p, alpha, m_new, l = _online_softmax(jnp.where(live, scores, -jnp.inf), m, l, scale)
+            live = live | ((key >= start - t0) & (key < sink_end - t0))
+        p, alpha, m_new, l = _online_softmax(jnp.where(live, scores, -jnp.inf), m, l, scale, query_axis)
         plgpu.barrier_wait(v_barriers.at[slot])
 
         @pl.when(t0 + block_k > end)
@@ -465,7 +519,13 @@ def _decode_body(
             v_smem[slot] = jnp.where(rows < end, v, jnp.zeros_like(v))
             plgpu.commit_smem()  # the MMA reads through the async proxy
 
-        acc = _accumulate(acc * _row_vector(alpha, acc.shape), p.astype(v_smem.dtype), v_smem.at[slot], interpret=interpret)
+        acc = acc * _row_vector(alpha, acc.shape, query_axis)
+        if keys_on_rows:  # P^T goes through shared memory: wgmma's B operand
+            p_smem[wg] = p.astype(p_smem.dtype)
+            plgpu.commit_smem()  # (a warpgroup barrier too: all of P^T is in before the MMA reads it)
+            acc = _accumulate_transposed(acc, p_smem.at[wg], v_smem.at[slot], interpret=interpret)
+        else:
+            acc = _accumulate(acc, p.astype(v_smem.dtype), v_smem.at[slot], interpret=interpret)
         plgpu.barrier_arrive(v_consumed_barriers.at[slot])
         return acc, m_new, l
 
@@ -481,10 +541,12 @@ def _decode_body(
         valid = l > 0
         safe_l = jnp.where(valid, l, 1.0)
         lse_smem = ml_smem.at[0, 0]
-        o_smem[0] = jnp.where(_row_vector(valid, acc.shape), acc / _row_vector(safe_l, acc.shape), 0.0)
+        o_smem[0] = jnp.where(_row_vector(valid, acc.shape, query_axis), acc / _row_vector(safe_l, acc.shape, query_axis), 0.0)
         lse_smem[...] = jnp.where(valid, (m + jnp.log2(safe_l)) / LOG2_E, -jnp.inf)
         plgpu.commit_smem()  # (also a warpgroup barrier: every thread's rows are in before they are read back)
-        if stage_smem is None:
+        if keys_on_rows:  # O^T whole: a TMA box is dense, so no copy of its first 8 columns alone
+            plgpu.copy_smem_to_gmem(o_smem.at[0], o_ref.at[b, h, s])
+        elif stage_smem is None:
             plgpu.copy_smem_to_gmem(o_smem.at[0, pl.ds(0, QUERY_ROWS)], o_ref.at[b, h, s])
         else:
             strided = plgpu.Layout.WG_STRIDED((QUERY_ROWS, d), vec_size=4)
@@ -506,8 +568,8 @@ def _decode_body(
         at stream positions that are multiples of compute_wgs, so each ring slot always feeds the
         same warpgroup); then the warpgroups' states merge in warpgroup order and warpgroup 0
         writes the item's output."""
-        rows = q_smem.shape[1]
-        reduced = plgpu.Layout.WGMMA.reduce(1)
+        queries = q_smem.shape[1]
+        reduced = plgpu.Layout.WGMMA.reduce(key_axis)
 
         def item(k, carry):
             g0, live = carry  # stream position, live (non-EMPTY) items so far
@@ -519,9 +581,10 @@ def _decode_body(
                 seq_len = seq_lens_ref[b]
                 buffer = lax.rem(live, q_buffers)
                 carry = (
-                    _laid_out(jnp.zeros((rows, d), jnp.float32), plgpu.Layout.WGMMA, interpret=interpret),
-                    _laid_out(jnp.full((rows,), -jnp.inf, jnp.float32), reduced, interpret=interpret),
-                    _laid_out(jnp.zeros((rows,), jnp.float32), reduced, interpret=interpret),
+                    _laid_out(jnp.zeros((d, queries) if keys_on_rows else (queries, d), jnp.float32), plgpu.Layout.WGMMA,
+                              interpret=interpret),
+                    _laid_out(jnp.full((queries,), -jnp.inf, jnp.float32), reduced, interpret=interpret),
+                    _laid_out(jnp.zeros((queries,), jnp.float32), reduced, interpret=interpret),
                 )
                 plgpu.barrier_wait(q_barriers.at[buffer])
                 lo, hi, sink_end = visible_range(seq_len - 1, seq_len, mask)
@@ -560,7 +623,8 @@ def _decode_body(
                         state = _merge_states(*state,
                                               _load(o_smem.at[other], plgpu.Layout.WGMMA, interpret=interpret, optimized=False),
                                               _load(ml_smem.at[0, other], reduced, interpret=interpret, optimized=False),
-                                              _load(ml_smem.at[1, other], reduced, interpret=interpret, optimized=False))
+                                              _load(ml_smem.at[1, other], reduced, interpret=interpret, optimized=False),
+                                              query_axis)
                     write_output(*state, b, h, s)
                     plgpu.barrier_arrive(handoff_free_barrier)
 
@@ -657,15 +721,21 @@ def paged_decode_partials(
     programs = min(num_items, config.programs or (INTERPRET_PROGRAMS if interpret else num_sms))
     q_rows, q_row_stride = _query_rows(q, H_kv)
     tiled = (plgpu.TilingTransform((TILE_ROWS, SWIZZLE_BYTES // q.dtype.itemsize)), plgpu.SwizzleTransform(SWIZZLE_BYTES))
+    narrow = (plgpu.TilingTransform((TILE_ROWS, NARROW_SWIZZLE_BYTES // q.dtype.itemsize)),
+              plgpu.SwizzleTransform(NARROW_SWIZZLE_BYTES))
+    queries = config.query_rows
     ring = (config.num_stages, config.block_k, D)
     body = functools.partial(
-        _decode_body, group=group, q_row_stride=q_row_stride, write_empty=S == 1, programs=programs, num_splits=S,
+        _decode_body, keys_on_rows=config.keys_on_rows, group=group, q_row_stride=q_row_stride, write_empty=S == 1, programs=programs, num_splits=S,
         kv_heads=H_kv, num_items=num_items, page_size=P, layout=layout, block_k=config.block_k,
         num_stages=config.num_stages, compute_wgs=config.compute_warpgroups, sm_scale=sm_scale, soft_cap=soft_cap,
         mask=mask, interpret=interpret,
     )
     if not staged:
         body = functools.partial(body, stage_smem=None)
+    if config.keys_on_rows:  # the last scratch buffer is each warpgroup's P^T
+        with_p = body
+        body = lambda *refs: with_p(*refs[:-1], p_smem=refs[-1])  # noqa: E731
     # One request's balanced splits differ by at most an aligned block: nothing to rank (at B 1
     # the argsort and its key were 2 of the call's 6 launches on the H200, 3.2 us of GPU time).
     order = split_order(split_start, split_end, config.block_k) if S > 1 and B > 1 else None
@@ -681,15 +751,16 @@ def paged_decode_partials(
     kernel = plgpu.kernel(
         _without_absent_inputs(body, inputs),
         out_type=(
-            jax.ShapeDtypeStruct((B, H_q, S, D) if staged else (B, H_kv, S, QUERY_ROWS, D), out_dtype),
+            jax.ShapeDtypeStruct((B, H_q, S, D) if staged else
+                                 (B, H_kv, S, D, QUERY_COLUMNS) if config.keys_on_rows else (B, H_kv, S, QUERY_ROWS, D), out_dtype),
             jax.ShapeDtypeStruct((B, H_kv, S, QUERY_ROWS), jnp.float32),
         ),
         scratch_types=[
-            plgpu.SMEM((q_buffers, WGMMA_ROWS, D), q.dtype, transforms=tiled),
+            plgpu.SMEM((q_buffers, queries, D), q.dtype, transforms=tiled),
             plgpu.SMEM(ring, k_pages.dtype, transforms=tiled),
-            plgpu.SMEM(ring, v_pages.dtype, transforms=tiled),
-            plgpu.SMEM((handoffs, WGMMA_ROWS, D), jnp.float32),
-            plgpu.SMEM((config.row_vectors(), handoffs, WGMMA_ROWS), jnp.float32),
+            plgpu.SMEM(ring, v_pages.dtype, transforms=narrow if config.keys_on_rows else tiled),
+            plgpu.SMEM((handoffs, D, queries) if config.keys_on_rows else (handoffs, queries, D), jnp.float32),
+            plgpu.SMEM((config.row_vectors(), handoffs, queries), jnp.float32),
             plgpu.Barrier(num_barriers=q_buffers),
             plgpu.Barrier(num_arrivals=config.compute_warpgroups, num_barriers=q_buffers),
             plgpu.Barrier(num_arrivals=copies_per_block, num_barriers=config.num_stages),
@@ -698,8 +769,11 @@ def paged_decode_partials(
             plgpu.Barrier(num_barriers=config.num_stages),
             plgpu.Barrier(num_arrivals=handoffs),
             plgpu.Barrier(),
-        ] + ([plgpu.SMEM((QUERY_ROWS, D), out_dtype)] if staged else []),
-        compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=0),  # SHARED_MEMORY_BUDGET counts none
+        ] + ([plgpu.SMEM((QUERY_ROWS, D), out_dtype)] if staged else [])
+          + ([plgpu.SMEM((config.compute_warpgroups, config.block_k, QUERY_COLUMNS), v_pages.dtype, transforms=narrow)]
+             if config.keys_on_rows else []),
+        # SHARED_MEMORY_BUDGET counts the reduction scratch (MosaicDecodeConfig._bytes)
+        compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=KEYS_ON_ROWS_REDUCTION_BYTES if config.keys_on_rows else 0),
         grid=(programs,),
         grid_names=("program",),
         num_threads=config.compute_warpgroups + 1,
@@ -709,6 +783,8 @@ def paged_decode_partials(
     )
     o, lse = kernel(*(x for x in inputs if x is not None))
     lse = _item_rows(lse, group, q_row_stride)
+    if config.keys_on_rows:  # O^T tiles [.., D, 16] -> query tiles [.., 16, D]
+        o = jnp.swapaxes(o, -1, -2)
     o = o if staged else _item_rows(o, group, q_row_stride)
     if S == 1:
         return o, lse

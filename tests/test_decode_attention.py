@@ -281,6 +281,21 @@ class MosaicDecodeAttentionCases(DecodeAttentionCases):
         ref_o, ref_lse = oracle(args, KVLayout.PAGED_NHD)
         assert_matches_oracle(o, lse, ref_o, ref_lse, "bfloat16", problem["seq_lens"])
 
+    @pytest.mark.parametrize("head_dim,block_k,num_splits,options", [
+        (64, 128, 1, {}), (128, 64, 2, {"window_left": 50, "sinks": 3}), (64, 64, 3, {"soft_cap": 20.0})])
+    def test_keys_on_rows_matches_oracle(self, head_dim, block_k, num_splits, options):
+        """The transposed block (S^T = K Q^T, softmax over the rows, O^T = V^T P^T): one slot whose
+        output leaves as O^T, split slots with a window and sinks cut inside blocks, a soft cap."""
+        from pallas_kernels.decode_attention_mgpu import MosaicDecodeConfig
+
+        spec = Spec(batch=3, q_heads=8, kv_heads=2, head_dim=head_dim, page_size=16, width=14)
+        problem = make_problem(spec, np.random.default_rng(23), lengths=(224, 0, 97))
+        args = to_device(problem, jnp.bfloat16)
+        config = MosaicDecodeConfig(block_k, 2, 1, keys_on_rows=True)
+        o, lse = self.run(args, config=config, num_splits=num_splits, **options)
+        ref_o, ref_lse = oracle(args, KVLayout.PAGED_NHD, **options)
+        assert_matches_oracle(o, lse, ref_o, ref_lse, "bfloat16", problem["seq_lens"])
+
     @pytest.mark.parametrize("programs,compute_warpgroups,stages", [(1, 2, 4), (3, 1, 2), (4, 3, 3)])
     def test_programs_walking_several_items_match_oracle(self, programs, compute_warpgroups, stages):
         """A persistent program streams its work items' blocks back to back: a slot refilled with
@@ -550,6 +565,8 @@ def test_mosaic_configs_must_fit_shared_memory():
     too_big = supports(16, 128, 4, jnp.bfloat16, MosaicDecodeConfig(block_k=128, num_stages=4, compute_warpgroups=2))
     assert len(too_big) == 1 and "bytes of shared memory" in too_big[0]
     assert supports(16, 128, 4, jnp.bfloat16, MosaicDecodeConfig(programs=0)) == ["programs=0 must be >= 1 (or None: one per SM)"]
+    shared_scratch = supports(16, 128, 4, jnp.bfloat16, MosaicDecodeConfig(compute_warpgroups=2, keys_on_rows=True))
+    assert len(shared_scratch) == 1 and "one compute warpgroup only" in shared_scratch[0]
 
 
 def test_triton_programs_take_every_item_once_longest_split_first():
@@ -594,7 +611,8 @@ def test_mosaic_splits_are_dealt_longest_first():
 
 
 @pytest.mark.parametrize("head_dim,config", [
-    (64, None), (128, None), (256, None), (128, (64, 5, 1)), (128, (64, 3, 3)), (64, (128, 6, 2)), (256, (64, 2, 1))])
+    (64, None), (128, None), (256, None), (128, (64, 5, 1)), (128, (64, 3, 3)), (64, (128, 6, 2)), (256, (64, 2, 1)),
+    (128, (64, 6, 1, None, True)), (64, (128, 6, 1, None, True)), (256, (64, 2, 1, None, True))])
 def test_admitted_mosaic_configs_lower_within_shared_memory(head_dim, config):
     """Mosaic GPU's lowering adds its own shared memory to the kernel's scratch and refuses a
     kernel over the device's 227 KiB (this check runs on CPU too); every config admission lets
