@@ -310,11 +310,14 @@ def _online_softmax(scores, m, l, scale: float, axis: int = 0):
     f32[queries] -> (p like scores, alpha f32[queries] rescaling what came before, m, l). The
     scale is applied to the maxima and inside the exponent's argument, where the multiply and the
     subtraction contract to one FMA an element (the maximum commutes with a positive scale,
-    rounding included)."""
+    rounding included). l shaped like scores holds the sums per element, left unreduced (keys on
+    rows: a sum over the keys crosses warps, so it is taken once, at the item's end)."""
     keys = 1 - axis
     m_new = jnp.maximum(m, scores.max(axis=keys) * scale)
     m_safe, alpha = rescale_base2(m, m_new)
     p = jnp.exp2(scores * scale - _row_vector(m_safe, scores.shape, axis))
+    if l.shape == scores.shape:
+        return p, alpha, m_new, l * _row_vector(alpha, l.shape, axis) + p
     return p, alpha, m_new, l * alpha + p.sum(axis=keys)
 
 
@@ -584,7 +587,9 @@ def _decode_body(
                     _laid_out(jnp.zeros((d, queries) if keys_on_rows else (queries, d), jnp.float32), plgpu.Layout.WGMMA,
                               interpret=interpret),
                     _laid_out(jnp.full((queries,), -jnp.inf, jnp.float32), reduced, interpret=interpret),
-                    _laid_out(jnp.zeros((queries,), jnp.float32), reduced, interpret=interpret),
+                    # keys on rows: the sums per (key row, query), reduced over the rows after the loop
+                    _laid_out(jnp.zeros((block_k, queries), jnp.float32), plgpu.Layout.WGMMA, interpret=interpret)
+                    if keys_on_rows else _laid_out(jnp.zeros((queries,), jnp.float32), reduced, interpret=interpret),
                 )
                 plgpu.barrier_wait(q_barriers.at[buffer])
                 lo, hi, sink_end = visible_range(seq_len - 1, seq_len, mask)
@@ -593,6 +598,8 @@ def _decode_body(
                                          keys=keys)
                 mine = jnp.maximum(num_blocks - wg + compute_wgs - 1, 0) // compute_wgs
                 acc, m, l = lax.fori_loop(0, mine, lambda n, c: fold(wg + n * compute_wgs, c), carry)
+                if keys_on_rows:
+                    l = l.sum(axis=0)
                 plgpu.barrier_arrive(q_free_barriers.at[buffer])
                 if compute_wgs == 1:  # no padding positions, no states to hand over
                     write_output(acc, m, l, b, h, s)
