@@ -114,7 +114,8 @@ class MosaicDecodeConfig:
         handoffs = max(1, self.compute_warpgroups - 1)
         states = handoffs * self.query_rows * head_dim * 4 + self.row_vectors() * handoffs * self.query_rows * 4
         if self.keys_on_rows:  # each warpgroup's P^T, and the cross-warp reductions' scratch
-            return q + ring + states + self.compute_warpgroups * self.block_k * QUERY_COLUMNS * itemsize + KEYS_ON_ROWS_REDUCTION_BYTES
+            p_tiles = self.compute_warpgroups * self.block_k * QUERY_COLUMNS * itemsize
+            return q + ring + states + p_tiles + KEYS_ON_ROWS_REDUCTION_BYTES
         return q + ring + states
 
     @property
@@ -733,10 +734,10 @@ def paged_decode_partials(
     queries = config.query_rows
     ring = (config.num_stages, config.block_k, D)
     body = functools.partial(
-        _decode_body, keys_on_rows=config.keys_on_rows, group=group, q_row_stride=q_row_stride, write_empty=S == 1, programs=programs, num_splits=S,
-        kv_heads=H_kv, num_items=num_items, page_size=P, layout=layout, block_k=config.block_k,
-        num_stages=config.num_stages, compute_wgs=config.compute_warpgroups, sm_scale=sm_scale, soft_cap=soft_cap,
-        mask=mask, interpret=interpret,
+        _decode_body, keys_on_rows=config.keys_on_rows, group=group, q_row_stride=q_row_stride, write_empty=S == 1,
+        programs=programs, num_splits=S, kv_heads=H_kv, num_items=num_items, page_size=P, layout=layout,
+        block_k=config.block_k, num_stages=config.num_stages, compute_wgs=config.compute_warpgroups, sm_scale=sm_scale,
+        soft_cap=soft_cap, mask=mask, interpret=interpret,
     )
     if not staged:
         body = functools.partial(body, stage_smem=None)
@@ -758,8 +759,9 @@ def paged_decode_partials(
     kernel = plgpu.kernel(
         _without_absent_inputs(body, inputs),
         out_type=(
-            jax.ShapeDtypeStruct((B, H_q, S, D) if staged else
-                                 (B, H_kv, S, D, QUERY_COLUMNS) if config.keys_on_rows else (B, H_kv, S, QUERY_ROWS, D), out_dtype),
+            jax.ShapeDtypeStruct(
+                (B, H_q, S, D) if staged else (B, H_kv, S, D, QUERY_COLUMNS) if config.keys_on_rows else (B, H_kv, S, QUERY_ROWS, D),
+                out_dtype),
             jax.ShapeDtypeStruct((B, H_kv, S, QUERY_ROWS), jnp.float32),
         ),
         scratch_types=[
