@@ -147,15 +147,17 @@ def _without(*parts: str) -> dict:
 
     from pallas_kernels import decode_attention_mgpu as kernel
 
-    def scores(q_smem, k_slot, *, interpret):
-        zeros = jnp.zeros((q_smem.shape[0], k_slot.shape[0]), jnp.float32)
-        return plgpu.layout_cast(zeros, plgpu.Layout.WGMMA)
+    def scores(q_smem, k_slot, *, keys_on_rows, interpret):
+        shape = (k_slot.shape[0], q_smem.shape[0]) if keys_on_rows else (q_smem.shape[0], k_slot.shape[0])
+        return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
 
     patches = {}
     if "mma" in parts:
-        patches |= {(kernel, "_scores"): scores, (kernel, "_accumulate"): lambda acc, p, v_slot, *, interpret: acc}
+        patches |= {(kernel, "_scores"): scores, (kernel, "_accumulate"): lambda acc, p, v_slot, **_: acc}
     if "softmax" in parts:
-        patches[(kernel, "_online_softmax")] = lambda scores, m, l, scale: (scores, jnp.ones_like(m), m, l)
+        # alpha = 1 computed from m, so that it keeps m's register layout (a constant's splat layout
+        # does not broadcast in Mosaic GPU)
+        patches[(kernel, "_online_softmax")] = lambda scores, m, l, scale, axis=0: (scores, jnp.where(m == m, 1.0, 0.0), m, l)
     return patches
 
 
@@ -235,8 +237,8 @@ def plan_patches(target_scale: float = 1, max_split_tokens: int | None = None) -
 
 def _tile_variants(k, v, case):
     """The Mosaic kernel's default, other tiles (block_k, ring slots, compute warpgroups; the
-    query-row form, then keys on rows) that its admission takes at the case's head dim, and, where the split target decides the plan, half and
-    twice that target."""
+    query-row form, then keys on rows) that its admission takes at the case's head dim, and,
+    where the split target decides the plan, half and twice that target."""
     import jax.numpy as jnp
 
     from pallas_kernels.decode_attention_mgpu import MosaicDecodeConfig, supports

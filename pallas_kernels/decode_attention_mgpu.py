@@ -257,27 +257,20 @@ def _scores(q_smem, k_slot, *, keys_on_rows: bool, interpret: bool):
     return pl.run_scoped(mma, plgpu.ACC(shape, jnp.float32))
 
 
-def _accumulate(acc, p, v_slot, *, interpret: bool):
-    """acc + p [64, block_k] @ v_slot [block_k, D] (f32)."""
+def _accumulate(acc, p, v_slot, *, keys_on_rows: bool, interpret: bool):
+    """acc + p [R, block_k] @ v_slot [block_k, D] (f32); keys on rows, acc^T + v_slot^T @ p, where
+    p is P^T [block_k, R] in shared memory (wgmma's B operand)."""
     if interpret:
-        return acc + jnp.dot(p, v_slot[...], preferred_element_type=jnp.float32)
+        v = v_slot[...]
+        return acc + jnp.dot(*((v.T, p[...]) if keys_on_rows else (p, v)), preferred_element_type=jnp.float32)
 
     def mma(acc_ref):
-        plgpu.wgmma(acc_ref, p, v_slot)
+        if keys_on_rows:
+            plgpu.wgmma(acc_ref, v_slot.transpose((1, 0)), p)
+        else:
+            plgpu.wgmma(acc_ref, p, v_slot)
 
     return pl.run_state(mma)(plgpu.ACC.init(acc))
-
-
-def _accumulate_transposed(acc_t, p_t_smem, v_slot, *, interpret: bool):
-    """acc_t + v_slot^T [D, block_k] @ p_t_smem [block_k, R] (f32): the weighted sum with keys on rows,
-    P^T read from shared memory (wgmma's B operand)."""
-    if interpret:
-        return acc_t + jnp.dot(v_slot[...].T, p_t_smem[...], preferred_element_type=jnp.float32)
-
-    def mma(acc_ref):
-        plgpu.wgmma(acc_ref, v_slot.transpose((1, 0)), p_t_smem)
-
-    return pl.run_state(mma)(plgpu.ACC.init(acc_t))
 
 
 def _laid_out(x, layout, *, interpret: bool):
@@ -299,9 +292,9 @@ def _load(ref, layout, *, interpret: bool, optimized: bool = True):
     return ref[...] if interpret else plgpu.load(ref, (), layout=layout, optimized=optimized)
 
 
-def _row_vector(x, shape, axis: int = 0):
-    """[R] -> shape, each query's value repeated along the other axis; `axis` is the query axis of
-    `shape` (0 when queries are rows, 1 with keys on rows). The form Mosaic GPU broadcasts in."""
+def _per_query(x, shape, axis: int = 0):
+    """[queries] -> shape, each query's value repeated along the other axis; `axis` is the query
+    axis of `shape` (0 when queries are rows, 1 with keys on rows). The form Mosaic GPU broadcasts in."""
     return lax.broadcast_in_dim(x, shape, [axis])
 
 
@@ -316,9 +309,9 @@ def _online_softmax(scores, m, l, scale: float, axis: int = 0):
     keys = 1 - axis
     m_new = jnp.maximum(m, scores.max(axis=keys) * scale)
     m_safe, alpha = rescale_base2(m, m_new)
-    p = jnp.exp2(scores * scale - _row_vector(m_safe, scores.shape, axis))
+    p = jnp.exp2(scores * scale - _per_query(m_safe, scores.shape, axis))
     if l.shape == scores.shape:
-        return p, alpha, m_new, l * _row_vector(alpha, l.shape, axis) + p
+        return p, alpha, m_new, l * _per_query(alpha, l.shape, axis) + p
     return p, alpha, m_new, l * alpha + p.sum(axis=keys)
 
 
@@ -328,7 +321,7 @@ def _merge_states(acc, m, l, acc_other, m_other, l_other, axis: int = 0):
     m_max = jnp.maximum(m, m_other)
     m_safe, scale = rescale_base2(m, m_max)
     scale_other = jnp.exp2(m_other - m_safe)
-    merged = acc * _row_vector(scale, acc.shape, axis) + acc_other * _row_vector(scale_other, acc.shape, axis)
+    merged = acc * _per_query(scale, acc.shape, axis) + acc_other * _per_query(scale_other, acc.shape, axis)
     return merged, m_max, l * scale + l_other * scale_other
 
 
@@ -523,13 +516,14 @@ def _decode_body(
             v_smem[slot] = jnp.where(rows < end, v, jnp.zeros_like(v))
             plgpu.commit_smem()  # the MMA reads through the async proxy
 
-        acc = acc * _row_vector(alpha, acc.shape, query_axis)
+        acc = acc * _per_query(alpha, acc.shape, query_axis)
         if keys_on_rows:  # P^T goes through shared memory: wgmma's B operand
             p_smem[wg] = p.astype(p_smem.dtype)
             plgpu.commit_smem()  # (a warpgroup barrier too: all of P^T is in before the MMA reads it)
-            acc = _accumulate_transposed(acc, p_smem.at[wg], v_smem.at[slot], interpret=interpret)
+            p = p_smem.at[wg]
         else:
-            acc = _accumulate(acc, p.astype(v_smem.dtype), v_smem.at[slot], interpret=interpret)
+            p = p.astype(v_smem.dtype)
+        acc = _accumulate(acc, p, v_smem.at[slot], keys_on_rows=keys_on_rows, interpret=interpret)
         plgpu.barrier_arrive(v_consumed_barriers.at[slot])
         return acc, m_new, l
 
@@ -545,7 +539,7 @@ def _decode_body(
         valid = l > 0
         safe_l = jnp.where(valid, l, 1.0)
         lse_smem = ml_smem.at[0, 0]
-        o_smem[0] = jnp.where(_row_vector(valid, acc.shape, query_axis), acc / _row_vector(safe_l, acc.shape, query_axis), 0.0)
+        o_smem[0] = jnp.where(_per_query(valid, acc.shape, query_axis), acc / _per_query(safe_l, acc.shape, query_axis), 0.0)
         lse_smem[...] = jnp.where(valid, (m + jnp.log2(safe_l)) / LOG2_E, -jnp.inf)
         plgpu.commit_smem()  # (also a warpgroup barrier: every thread's rows are in before they are read back)
         if keys_on_rows:  # O^T whole: a TMA box is dense, so no copy of its first 8 columns alone

@@ -89,8 +89,7 @@ def draw_on_device(spec: Spec, rng: np.random.Generator, dtype, num_pages: int, 
     """
     layout = make_layout(spec, rng, num_pages=num_pages)
     table, lens, rows = layout["page_table"], layout["seq_lens"], layout["cache_batch_idx"]
-    seen = np.zeros((num_pages, spec.page_size), bool)
-    seen[visible_token_slots(table, lens, rows, spec.page_size)] = True
+    seen = seen_slots(table, lens, rows, num_pages, spec.page_size)
     key_q, key_k, key_v = jax.random.split(jax.random.key(int(rng.integers(2**31))), 3)
     shape = (num_pages, spec.page_size, spec.kv_heads, spec.head_dim)
     keep = jnp.asarray(seen)[:, :, None, None]
@@ -123,8 +122,13 @@ def with_poison(problem, poison):
 
 
 def visible_slots(problem) -> np.ndarray:
-    """bool[num_pages, P]: slots some request can see."""
-    k = problem["k_pages"]
-    seen = np.zeros(k.shape[:2], bool)
-    seen[visible_token_slots(problem["page_table"], problem["seq_lens"], problem["cache_batch_idx"], k.shape[1])] = True
+    """bool[num_pages, P]: slots some request of `problem` can see."""
+    num_pages, page_size = problem["k_pages"].shape[:2]
+    return seen_slots(problem["page_table"], problem["seq_lens"], problem["cache_batch_idx"], num_pages, page_size)
+
+
+def seen_slots(table, lens, cache_rows, num_pages: int, page_size: int) -> np.ndarray:
+    """bool[num_pages, page_size]: the slots that hold some request's visible token."""
+    seen = np.zeros((num_pages, page_size), bool)
+    seen[visible_token_slots(table, lens, cache_rows, page_size)] = True
     return seen
