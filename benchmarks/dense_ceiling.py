@@ -13,6 +13,7 @@ end-to-end step is attention, the cache write, sampling and the engine's host wo
 
 import argparse
 import json
+import os
 import platform
 
 import jax
@@ -75,12 +76,13 @@ def main(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="llama3-8b")
     parser.add_argument("--batch", default="1,8,32,64,128")
+    parser.add_argument("--layouts", default="separate,fused")
     parser.add_argument("--samples", type=int, default=20)
     parser.add_argument("--out", default="benchmarks/results/dense_ceiling.json")
     args = parser.parse_args(argv)
     config, dtype = PRESETS[args.model], jnp.bfloat16
     rows = []
-    for layout in ("separate", "fused"):
+    for layout in args.layouts.split(","):
         weights = random_weights(config, layout == "fused", dtype)
         nbytes = sum(a.nbytes for a in jax.tree.leaves(weights))
         for batch in (int(b) for b in args.batch.split(",")):
@@ -91,7 +93,8 @@ def main(argv=None):
                          "weight_bytes": nbytes, "tb_per_s": nbytes / med / 1e6, "datasheet_fraction": nbytes / (med * 1e-6) / DATASHEET_BPS})
             print(f"{layout:8s} B={batch:4d} {med / 1e3:7.3f} ms  {rows[-1]['tb_per_s']:.2f} TB/s", flush=True)
         del weights
-    result = {"machine": {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "python": platform.python_version()},
+    result = {"machine": {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "python": platform.python_version(),
+                          "xla_flags": os.environ.get("XLA_FLAGS", "")},
               "model": args.model, "dtype": "bfloat16", "rows": rows}
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
