@@ -147,9 +147,9 @@ def _without(*parts: str) -> dict:
 
     from pallas_kernels import decode_attention_mgpu as kernel
 
-    def scores(q_smem, k_slot, *, keys_on_rows, interpret):
-        shape = (k_slot.shape[0], q_smem.shape[0]) if keys_on_rows else (q_smem.shape[0], k_slot.shape[0])
-        return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
+    def scores(q_smem, k_slot, *, interpret):
+        zeros = jnp.zeros((q_smem.shape[0], k_slot.shape[0]), jnp.float32)
+        return plgpu.layout_cast(zeros, plgpu.Layout.WGMMA)
 
     patches = {}
     if "mma" in parts:
@@ -157,7 +157,7 @@ def _without(*parts: str) -> dict:
     if "softmax" in parts:
         # alpha = 1 computed from m, so that it keeps m's register layout (a constant's splat layout
         # does not broadcast in Mosaic GPU)
-        patches[(kernel, "_online_softmax")] = lambda scores, m, l, scale, axis=0: (scores, jnp.where(m == m, 1.0, 0.0), m, l)
+        patches[(kernel, "_online_softmax")] = lambda scores, m, l, scale: (scores, jnp.where(m == m, 1.0, 0.0), m, l)
     return patches
 
 
@@ -236,22 +236,20 @@ def plan_patches(target_scale: float = 1, max_split_tokens: int | None = None) -
 
 
 def _tile_variants(k, v, case):
-    """The Mosaic kernel's default, other tiles (block_k, ring slots, compute warpgroups; the
-    query-row form, then keys on rows) that its admission takes at the case's head dim, and,
-    where the split target decides the plan, half and twice that target."""
+    """The Mosaic kernel's default, other tiles (block_k, ring slots, compute warpgroups) that its
+    admission takes at the case's head dim, and, where the split target decides the plan, half and
+    twice that target."""
     import jax.numpy as jnp
 
     from pallas_kernels.decode_attention_mgpu import MosaicDecodeConfig, supports
 
     mosaic = dict(backend="pallas_mosaic_gpu")
     variants = {"mgpu/auto": (mosaic, k, v, {})}
-    tiles = [(64, 4, 2), (64, 8, 2), (128, 2, 2), (128, 4, 2), (128, 6, 2), (64, 3, 3), (64, 6, 3), (128, 3, 3)]
-    keys_on_rows = [(64, 4, 1), (64, 6, 1), (128, 3, 1), (128, 4, 1), (128, 6, 1)]  # one compute warpgroup (admission)
-    for (block_k, stages, warpgroups), on_rows in [(t, False) for t in tiles] + [(t, True) for t in keys_on_rows]:
-        config = MosaicDecodeConfig(block_k=block_k, num_stages=stages, compute_warpgroups=warpgroups, keys_on_rows=on_rows)
+    for block_k, stages, warpgroups in ((64, 4, 2), (64, 8, 2), (128, 2, 2), (128, 4, 2), (128, 6, 2), (64, 3, 3), (64, 6, 3),
+                                        (128, 3, 3)):
+        config = MosaicDecodeConfig(block_k=block_k, num_stages=stages, compute_warpgroups=warpgroups)
         if not supports(16, case.head_dim, case.q_heads // case.kv_heads, jnp.bfloat16, config):
-            name = f"mgpu/{'keys_on_rows,' if on_rows else ''}bk={block_k},st={stages},wg={warpgroups}"
-            variants[name] = (dict(mosaic, config=config), k, v, {})
+            variants[f"mgpu/bk={block_k},st={stages},wg={warpgroups}"] = (dict(mosaic, config=config), k, v, {})
     if case.batch <= 8 or case.head_dim < 128:  # where the split target decides the plan
         variants["mgpu/target_half"] = (mosaic, k, v, plan_patches(target_scale=0.5))
         variants["mgpu/target_x2"] = (mosaic, k, v, plan_patches(target_scale=2))

@@ -221,12 +221,11 @@ def _attention_pallas(q, k_pages, v_pages, page_table, seq_lens, *, layout, cach
     cache_rows = None if cache_batch_idx is None else cache_batch_idx.astype(jnp.int32)
     options = dict(layout=layout, sm_scale=sm_scale, soft_cap=None if soft_cap is None else float(soft_cap), mask=mask,
                    config=config, interpret=interpret)
-    if mosaic:  # the Mosaic path keeps clear of Triton: XLA builds its multi-slot bounds and fuses the (small) merge
+    if mosaic:  # the Mosaic path keeps clear of Triton: XLA fuses the (small) merge
         # A one-slot plan's state is the call's output, which the kernel writes in q's dtype where it can.
-        start, end = (None, None) if plan.whole_requests else plan.bounds(seq_lens)
         final = (plan.capacity == 1 and not return_partial_states
                  and config.staged_output_fits(D, q.dtype.itemsize, q.dtype.itemsize))
-        part_o, part_lse = kernel.paged_decode_partials(q, k_pages, v_pages, page_table, seq_lens, cache_rows, start, end,
+        part_o, part_lse = kernel.paged_decode_partials(q, k_pages, v_pages, page_table, seq_lens, cache_rows, plan=plan,
                                                         num_sms=_num_sms(), out_dtype=q.dtype if final else jnp.float32,
                                                         **options)
     elif return_partial_states:

@@ -184,7 +184,8 @@ class SplitPlan:
         (None unless `adapts_to_batch`: then no slot depends on its neighbours)."""
         if not self.adapts_to_batch:
             return None
-        return xp.sum(-(-lengths // self.align))
+        blocks = -(-lengths // self.align)
+        return blocks if xp.ndim(blocks) == 0 else xp.sum(blocks)  # one request's (a kernel's scalar): no reduction
 
     def slot_bounds(self, xp, lengths, slots, total_blocks):
         """(start, end) of split slot `slots` of requests of `lengths` tokens, elementwise over

@@ -3,8 +3,10 @@
 The partial-state contract of the Triton producer (`pallas_kernels.decode_attention`,
 `paged_decode(..., partial_states=True)`): each work item (request b, K/V head h, split slot s)
 streams the split's key range [start, end) and returns the split's normalized partial state
-(o, lse) in float32, EMPTY as (0, -inf). It takes the bounds as i32[B, S] inputs
-(`SplitPlan.bounds`) where the Triton kernel computes its own, and it moves data differently:
+(o, lse) in float32, EMPTY as (0, -inf). A batch of several requests split in several slots
+takes its bounds as i32[B, S] inputs (`SplitPlan.bounds`, built by XLA with the longest-first
+order that needs them); one request's split slots, and one-slot plans, find their bounds in the
+kernel, as the Triton kernel's programs do. It moves data differently:
 
 - The kernel is persistent. One program fills an SM's shared memory and registers, so a program
   per work item would leave every SM idle while each program's first copies are in flight and
@@ -15,8 +17,8 @@ streams the split's key range [start, end) and returns the split's normalized pa
   item's last blocks are computed and its output written. With several split slots the items
   of a batch are dealt longest first (`split_order`; one request's are taken in index order),
   and EMPTY splits are skipped, not written: the wrapper marks their lse -inf from the bounds.
-  With one slot they are taken in index order and every item is written, so nothing runs
-  around the kernel.
+  With one slot, or one request, they are taken in index order and every item is written, so no
+  XLA kernel runs before the launch.
 - Warpgroups specialize. A producer warpgroup copies K and V by TMA, one copy per page of a
   block of `block_k` tokens, into a ring of `num_stages` shared-memory slots (one barrier per
   slot counts the block's copies) and refills a slot's K, then its V, as soon as the compute
@@ -32,14 +34,12 @@ streams the split's key range [start, end) and returns the split's normalized pa
   of a K/V head ride in a 64-row operand: the query tile is the 8 rows (one TMA tile) of q that
   hold them, read in place when G divides 8 (else the wrapper pads each head's rows to a tile),
   and rows past 8 hold whatever shared memory held. Rows never mix in a matrix product, so the
-  other rows only produce outputs nobody reads; the item's own G rows are copied out.
-- `MosaicDecodeConfig.keys_on_rows` puts the block's keys on the 64 rows instead: S^T = K Q^T
-  [block_k, 16], the softmax over the rows, then O^T = V^T P^T [D, 16] with P^T through shared
-  memory. The query tile is 16 rows (wgmma's N; a 16-byte swizzle for N = 8 is refused), and V
-  and P^T use a 32-byte swizzle, since Mosaic GPU's wgmma takes one swizzle for both operands and
-  P^T's 16 columns are 32 bytes. O^T leaves whole ([D, 16], f32) and the wrapper transposes it.
-  The reductions over the rows cross warps through Mosaic GPU's one reduction scratch, so this
-  form runs one compute warpgroup.
+  other rows only produce outputs nobody reads; the item's own G rows are copied out. (Keys on
+  the 64 rows instead, S^T = K Q^T then O^T = V^T P^T with 16 query columns, V and P^T at a
+  32-byte swizzle and P^T through shared memory, lowers with one compute warpgroup, since its
+  softmax reduces across warps through Mosaic GPU's one reduction scratch. On the H200 it was
+  slower at every case measured: B 32, T 4,096 144.0 us against 130.7 inside one program;
+  benchmarks/results/probe_keys_on_rows_05c4688.json. It was removed.)
 - A block's pages are found through the page table: page index i of the block reads
   table[c, min(first_page + i, last_page)], where last_page holds the split's last key. Every
   copied page is therefore a page of this request, never past its table; positions outside
@@ -66,16 +66,11 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from decodejax.addressing import KVLayout, pool_geometry
 from decodejax.masks import DecodeMask, visible_range
+from decodejax.planning import SplitPlan
 from decodejax.split_state import LOG2_E, rescale_base2
 
 WGMMA_ROWS = 64  # the M of one warpgroup MMA: the padded query rows of a program
 QUERY_ROWS = 8  # the G query rows of a K/V head padded to one shared-memory tile
-QUERY_COLUMNS = 16  # keys on rows: the query tile as the MMAs' N (a 32-byte swizzle's 16 elements)
-NARROW_SWIZZLE_BYTES = 32  # keys on rows: V and P^T, whose wgmma needs one swizzle for both
-# Keys on rows: the softmax reduces over the 64 rows, i.e. across a warpgroup's warps, through
-# Mosaic GPU's reduction scratch (its default size). That scratch is one region for the whole
-# program (jax 0.10.2, lowering.scratch_view), so only one compute warpgroup may reduce.
-KEYS_ON_ROWS_REDUCTION_BYTES = 128 * 4 * 4
 TILE_ROWS = 8  # rows of the (8, 64) shared-memory tiling wgmma reads
 SWIZZLE_BYTES = 128
 
@@ -92,30 +87,18 @@ class MosaicDecodeConfig:
       compute_warpgroups: 1 to 3 warpgroups taking turns at the blocks (one more issues copies).
       programs: programs launched, each walking every programs-th work item; None: one per SM
         (one program fills an SM's shared memory), or INTERPRET_PROGRAMS in interpret mode.
-      keys_on_rows: the block's keys on the MMAs' 64 rows and the query tile as their N = 16
-        columns (S^T = K Q^T, O^T = V^T P^T): a quarter of the softmax and MMA work of the
-        query-row form for G <= 8, with V and P^T at a 32-byte swizzle. Not yet measured on a GPU.
     """
 
     block_k: int = 64
     num_stages: int = 4
     compute_warpgroups: int = 2
     programs: int | None = None
-    keys_on_rows: bool = False
-
-    @property
-    def query_rows(self) -> int:
-        """Rows of the query tile in shared memory: wgmma's M (64), or its N with keys on rows."""
-        return QUERY_COLUMNS if self.keys_on_rows else WGMMA_ROWS
 
     def _bytes(self, head_dim: int, itemsize: int, q_buffers: int) -> int:
-        q = q_buffers * self.query_rows * head_dim * itemsize
+        q = q_buffers * WGMMA_ROWS * head_dim * itemsize
         ring = 2 * self.num_stages * self.block_k * head_dim * itemsize
         handoffs = max(1, self.compute_warpgroups - 1)
-        states = handoffs * self.query_rows * head_dim * 4 + self.row_vectors() * handoffs * self.query_rows * 4
-        if self.keys_on_rows:  # each warpgroup's P^T, and the cross-warp reductions' scratch
-            p_tiles = self.compute_warpgroups * self.block_k * QUERY_COLUMNS * itemsize
-            return q + ring + states + p_tiles + KEYS_ON_ROWS_REDUCTION_BYTES
+        states = handoffs * WGMMA_ROWS * head_dim * 4 + self.row_vectors() * handoffs * WGMMA_ROWS * 4
         return q + ring + states
 
     @property
@@ -156,17 +139,13 @@ class MosaicDecodeConfig:
     def staged_output_fits(self, head_dim: int, itemsize: int, out_itemsize: int) -> bool:
         """Whether an 8-row staging tile of the output (out_itemsize bytes an element) fits beside the
         rest: then the kernel writes each item's G rows to their heads' rows of o, in the output's
-        dtype; else (D 256, or keys on rows) whole query tiles, from which the wrapper takes each
-        item's rows."""
-        if self.keys_on_rows:  # its output leaves as O^T, columns per query (no transposed store lowers)
-            return False
+        dtype; else (D 256) whole 8-row query tiles, from which the wrapper takes each item's rows."""
         return self.shared_memory_bytes(head_dim, itemsize) + QUERY_ROWS * head_dim * out_itemsize <= SHARED_MEMORY_BUDGET
 
 
 # Shared memory a block may use on the H100/H200 (227 KiB = 232,448 bytes), less what Mosaic GPU
 # adds: it rounds the scratch up to whole KiB, then adds CompilerParams.reduction_scratch_bytes
-# (0 here, as every reduction of the kernel stays inside a warp, except with keys on rows, where
-# MosaicDecodeConfig._bytes counts it) and 8 bytes a barrier (up to 128
+# (0 here: every reduction of the kernel stays inside a warp) and 8 bytes a barrier (up to 128
 # barriers fit in the last KiB). The lowering checks the sum
 # (test_admitted_mosaic_configs_lower_within_shared_memory).
 SHARED_MEMORY_BUDGET = 227 * 1024 - 1024
@@ -200,9 +179,6 @@ def supports(page_size: int, head_dim: int, group: int, dtype, config: MosaicDec
     if config.compute_warpgroups not in (1, 2, 3) or config.num_stages < 2 or config.num_stages % config.compute_warpgroups:
         r.append(f"num_stages={config.num_stages} must be >= 2 and a multiple of "
                  f"compute_warpgroups={config.compute_warpgroups} (1 to 3)")
-    if config.keys_on_rows and config.compute_warpgroups != 1:
-        r.append(f"keys_on_rows with compute_warpgroups={config.compute_warpgroups}: its cross-warp reductions "
-                 "share one scratch region, so one compute warpgroup only")
     if config.programs is not None and config.programs < 1:
         r.append(f"programs={config.programs} must be >= 1 (or None: one per SM)")
     if page_size <= 0 or page_size % TILE_ROWS:
@@ -240,35 +216,25 @@ def split_order(split_start: jax.Array, split_end: jax.Array, block_k: int) -> j
     return jnp.argsort(-blocks, stable=True).astype(jnp.int32)
 
 
-def _scores(q_smem, k_slot, *, keys_on_rows: bool, interpret: bool):
-    """q [R, D] @ k_slot^T -> f32 [R, block_k]; keys on rows, k_slot @ q^T -> f32 [block_k, R]."""
+def _scores(q_smem, k_slot, *, interpret: bool):
+    """q [64, D] @ k_slot^T -> f32 [64, block_k]."""
     if interpret:  # the interpreter's wgmma takes neither transposed nor register operands
-        q, k = q_smem[...], k_slot[...]
-        return jnp.dot(*((k, q.T) if keys_on_rows else (q, k.T)), preferred_element_type=jnp.float32)
+        return jnp.dot(q_smem[...], k_slot[...].T, preferred_element_type=jnp.float32)
 
     def mma(acc_ref):
-        if keys_on_rows:
-            plgpu.wgmma(acc_ref, k_slot, q_smem.transpose((1, 0)))
-        else:
-            plgpu.wgmma(acc_ref, q_smem, k_slot.transpose((1, 0)))
+        plgpu.wgmma(acc_ref, q_smem, k_slot.transpose((1, 0)))
         return acc_ref[...]
 
-    shape = (k_slot.shape[0], q_smem.shape[0]) if keys_on_rows else (q_smem.shape[0], k_slot.shape[0])
-    return pl.run_scoped(mma, plgpu.ACC(shape, jnp.float32))
+    return pl.run_scoped(mma, plgpu.ACC((q_smem.shape[0], k_slot.shape[0]), jnp.float32))
 
 
-def _accumulate(acc, p, v_slot, *, keys_on_rows: bool, interpret: bool):
-    """acc + p [R, block_k] @ v_slot [block_k, D] (f32); keys on rows, acc^T + v_slot^T @ p, where
-    p is P^T [block_k, R] in shared memory (wgmma's B operand)."""
+def _accumulate(acc, p, v_slot, *, interpret: bool):
+    """acc + p [64, block_k] @ v_slot [block_k, D] (f32)."""
     if interpret:
-        v = v_slot[...]
-        return acc + jnp.dot(*((v.T, p[...]) if keys_on_rows else (p, v)), preferred_element_type=jnp.float32)
+        return acc + jnp.dot(p, v_slot[...], preferred_element_type=jnp.float32)
 
     def mma(acc_ref):
-        if keys_on_rows:
-            plgpu.wgmma(acc_ref, v_slot.transpose((1, 0)), p)
-        else:
-            plgpu.wgmma(acc_ref, p, v_slot)
+        plgpu.wgmma(acc_ref, p, v_slot)
 
     return pl.run_state(mma)(plgpu.ACC.init(acc))
 
@@ -292,36 +258,29 @@ def _load(ref, layout, *, interpret: bool, optimized: bool = True):
     return ref[...] if interpret else plgpu.load(ref, (), layout=layout, optimized=optimized)
 
 
-def _per_query(x, shape, axis: int = 0):
-    """[queries] -> shape, each query's value repeated along the other axis; `axis` is the query
-    axis of `shape` (0 when queries are rows, 1 with keys on rows). The form Mosaic GPU broadcasts in."""
-    return lax.broadcast_in_dim(x, shape, [axis])
+def _row_vector(x, shape):
+    """[R] -> [R, N], each row's value repeated (the form Mosaic GPU broadcasts in)."""
+    return lax.broadcast_in_dim(x, shape, [0])
 
 
-def _online_softmax(scores, m, l, scale: float, axis: int = 0):
-    """One block of the running softmax in base 2: scores f32[R, N] (-inf where masked; queries
-    along `axis`, keys along the other) that scale (> 0) takes to base 2, and the state (m, l)
-    f32[queries] -> (p like scores, alpha f32[queries] rescaling what came before, m, l). The
-    scale is applied to the maxima and inside the exponent's argument, where the multiply and the
-    subtraction contract to one FMA an element (the maximum commutes with a positive scale,
-    rounding included). l shaped like scores holds the sums per element, left unreduced (keys on
-    rows: a sum over the keys crosses warps, so it is taken once, at the item's end)."""
-    keys = 1 - axis
-    m_new = jnp.maximum(m, scores.max(axis=keys) * scale)
+def _online_softmax(scores, m, l, scale: float):
+    """One block of the running softmax in base 2: scores f32[R, N] (-inf where masked) that
+    scale (> 0) takes to base 2, and the state (m, l) f32[R] -> (p f32[R, N], alpha f32[R]
+    rescaling what came before, m, l). The scale is applied to the row maxima and inside the
+    exponent's argument, where the multiply and the subtraction contract to one FMA an element
+    (the maximum commutes with a positive scale, rounding included)."""
+    m_new = jnp.maximum(m, scores.max(axis=1) * scale)
     m_safe, alpha = rescale_base2(m, m_new)
-    p = jnp.exp2(scores * scale - _per_query(m_safe, scores.shape, axis))
-    if l.shape == scores.shape:
-        return p, alpha, m_new, l * _per_query(alpha, l.shape, axis) + p
-    return p, alpha, m_new, l * alpha + p.sum(axis=keys)
+    p = jnp.exp2(scores * scale - _row_vector(m_safe, scores.shape))
+    return p, alpha, m_new, l * alpha + p.sum(axis=1)
 
 
-def _merge_states(acc, m, l, acc_other, m_other, l_other, axis: int = 0):
-    """Two running states (acc f32 with queries along `axis`, m, l f32[queries], base 2) of
-    disjoint blocks -> one."""
+def _merge_states(acc, m, l, acc_other, m_other, l_other):
+    """Two running states (acc f32[R, D], m, l f32[R], base 2) of disjoint blocks -> one."""
     m_max = jnp.maximum(m, m_other)
     m_safe, scale = rescale_base2(m, m_max)
     scale_other = jnp.exp2(m_other - m_safe)
-    merged = acc * _per_query(scale, acc.shape, axis) + acc_other * _per_query(scale_other, acc.shape, axis)
+    merged = acc * _row_vector(scale, acc.shape) + acc_other * _row_vector(scale_other, acc.shape)
     return merged, m_max, l * scale + l_other * scale_other
 
 
@@ -332,17 +291,16 @@ def _decode_body(
     table_ref,  # i32[B_c, W]
     seq_lens_ref,  # i32[B]
     cache_idx_ref,  # i32[B], or None: request b reads table row b
-    start_ref,  # i32[B, S], or None with end_ref (one slot): each split is its whole request, [0, seq_len)
+    start_ref,  # i32[B, S], or None with end_ref: the kernel finds each split's bounds (`slot_plan`)
     end_ref,  # i32[B, S]
     order_ref,  # i32[B * S]: the splits b * S + s, longest first; None: in index order (one slot, or one request)
-    o_ref,  # [B, H_q, S, D] in the output's dtype through stage_smem, else f32[B, H_kv, S, QUERY_ROWS, D] (query tiles),
-    #        or with keys on rows f32[B, H_kv, S, D, QUERY_COLUMNS] (the tiles transposed)
+    o_ref,  # [B, H_q, S, D] in the output's dtype through stage_smem, else f32[B, H_kv, S, QUERY_ROWS, D] (query tiles)
     lse_ref,  # f32[B, H_kv, S, QUERY_ROWS]: the lse of the 8-row query tile that holds (b, h)'s rows
-    q_smem,  # [q_buffers, R, D]: the query rows of the current (and next) work item (R: config.query_rows)
+    q_smem,  # [q_buffers, 64, D]: the query rows of the current (and next) work item
     k_smem,  # [num_stages, block_k, D]: the K/V ring
     v_smem,
-    o_smem,  # f32[max(1, W - 1), R, D] (keys on rows: [.., D, R]): the other warpgroups' states; [0] then the output tile
-    ml_smem,  # f32[2, W - 1, R]: their m and l, or f32[1, 1, R] for W = 1; [0, 0] then holds the output's lse
+    o_smem,  # f32[max(1, W - 1), 64, D]: the other warpgroups' states; [0] then holds the output tile
+    ml_smem,  # f32[2, W - 1, 64]: their m and l, or f32[1, 1, 64] for W = 1; [0, 0] then holds the output's lse
     q_barriers,  # one per q buffer: its copy has landed
     q_free_barriers,  # one per q buffer: every compute warpgroup is done with it
     k_barriers,  # one per slot, counting the block's page copies
@@ -353,10 +311,9 @@ def _decode_body(
     handoff_free_barrier,  # warpgroup 0 has read them and the output copy has left o_smem
     stage_smem,  # [QUERY_ROWS, D] in o_ref's dtype: the item's query tile's rows on their way out; or None
     *,
-    p_smem=None,  # keys on rows: [compute_wgs, block_k, QUERY_COLUMNS], each warpgroup's P^T for its MMA
-    keys_on_rows: bool,
     group: int,
     q_row_stride: int,
+    slot_plan: SplitPlan | None,  # without bounds inputs: the plan of each split's bounds; None: one slot, [0, seq_len)
     write_empty: bool,
     programs: int,
     num_splits: int,
@@ -374,8 +331,6 @@ def _decode_body(
 ):
     program, wg = lax.axis_index("program"), lax.axis_index("wg")
     d = q_smem.shape[-1]
-    query_axis = 1 if keys_on_rows else 0  # of the states (acc) and scores: queries on columns or rows
-    key_axis = 1 - query_axis
     q_buffers = q_smem.shape[0]
     pages_per_block = max(1, block_k // page_size)
     rounds, last_round = divmod(num_items, programs)
@@ -391,8 +346,18 @@ def _decode_body(
         i = k * programs + jnp.where(k % 2 == 0, program, programs - 1 - program)
         split = i // kv_heads if order_ref is None else order_ref[i // kv_heads]
         h, b, s = lax.rem(i, kv_heads), split // num_splits, lax.rem(split, num_splits)
-        start, end = (0, seq_lens_ref[b]) if start_ref is None else (start_ref[b, s], end_ref[b, s])
+        start, end = split_bounds(b, s)
         return b, h, s, start, end, start // block_k, split_blocks(start, end, block_k)
+
+    def split_bounds(b, s):
+        """Split slot s of request b: [start, end)."""
+        if start_ref is not None:
+            return start_ref[b, s], end_ref[b, s]
+        seq_len = seq_lens_ref[b]
+        if slot_plan is None:  # one slot: the whole request
+            return 0, seq_len
+        # One request (the wrapper's rule): the batch's blocks, which an adaptive plan divides, are its own.
+        return slot_plan.slot_bounds(jnp, seq_len, s, slot_plan.total_blocks(jnp, seq_len))
 
     def stream_positions(num_blocks):
         """Positions an item takes in its program's block stream: its blocks, rounded up to a
@@ -494,19 +459,19 @@ def _decode_body(
         slot = lax.rem(g0 + j, num_stages)
         t0 = (first_block + j) * block_k
         plgpu.barrier_wait(k_barriers.at[slot])
-        scores = _scores(q_tile, k_smem.at[slot], keys_on_rows=keys_on_rows, interpret=interpret)
+        scores = _scores(q_tile, k_smem.at[slot], interpret=interpret)
         plgpu.barrier_arrive(k_consumed_barriers.at[slot])
         scale = sm_scale * LOG2_E  # to base 2 (the softmax's exp2), inside the softmax's FMA
         if soft_cap is not None:
             scores, scale = (soft_cap * LOG2_E) * jnp.tanh(scores * (sm_scale / soft_cap)), 1.0
-        # Each key against the intervals, shifted to the block: two compares an element (four
-        # with sinks), not a position and the whole predicate.
+        # Each column's key against the intervals, shifted to the block: two compares an element
+        # (four with sinks), not a position and the whole predicate.
         lo, hi, sink_end = keys
-        key = _positions(0, scores.shape, key_axis, interpret=interpret)
-        live = (key >= lo - t0) & (key < hi - t0)
+        column = _positions(0, scores.shape, 1, interpret=interpret)
+        live = (column >= lo - t0) & (column < hi - t0)
         if mask.window_left is not None and mask.sinks:
-            live = live | ((key >= start - t0) & (key < sink_end - t0))
-        p, alpha, m_new, l = _online_softmax(jnp.where(live, scores, -jnp.inf), m, l, scale, query_axis)
+            live = live | ((column >= start - t0) & (column < sink_end - t0))
+        p, alpha, m_new, l = _online_softmax(jnp.where(live, scores, -jnp.inf), m, l, scale)
         plgpu.barrier_wait(v_barriers.at[slot])
 
         @pl.when(t0 + block_k > end)
@@ -516,14 +481,7 @@ def _decode_body(
             v_smem[slot] = jnp.where(rows < end, v, jnp.zeros_like(v))
             plgpu.commit_smem()  # the MMA reads through the async proxy
 
-        acc = acc * _per_query(alpha, acc.shape, query_axis)
-        if keys_on_rows:  # P^T goes through shared memory: wgmma's B operand
-            p_smem[wg] = p.astype(p_smem.dtype)
-            plgpu.commit_smem()  # (a warpgroup barrier too: all of P^T is in before the MMA reads it)
-            p = p_smem.at[wg]
-        else:
-            p = p.astype(v_smem.dtype)
-        acc = _accumulate(acc, p, v_smem.at[slot], keys_on_rows=keys_on_rows, interpret=interpret)
+        acc = _accumulate(acc * _row_vector(alpha, acc.shape), p.astype(v_smem.dtype), v_smem.at[slot], interpret=interpret)
         plgpu.barrier_arrive(v_consumed_barriers.at[slot])
         return acc, m_new, l
 
@@ -539,12 +497,10 @@ def _decode_body(
         valid = l > 0
         safe_l = jnp.where(valid, l, 1.0)
         lse_smem = ml_smem.at[0, 0]
-        o_smem[0] = jnp.where(_per_query(valid, acc.shape, query_axis), acc / _per_query(safe_l, acc.shape, query_axis), 0.0)
+        o_smem[0] = jnp.where(_row_vector(valid, acc.shape), acc / _row_vector(safe_l, acc.shape), 0.0)
         lse_smem[...] = jnp.where(valid, (m + jnp.log2(safe_l)) / LOG2_E, -jnp.inf)
         plgpu.commit_smem()  # (also a warpgroup barrier: every thread's rows are in before they are read back)
-        if keys_on_rows:  # O^T whole: a TMA box is dense, so no copy of its first 8 columns alone
-            plgpu.copy_smem_to_gmem(o_smem.at[0], o_ref.at[b, h, s])
-        elif stage_smem is None:
+        if stage_smem is None:
             plgpu.copy_smem_to_gmem(o_smem.at[0, pl.ds(0, QUERY_ROWS)], o_ref.at[b, h, s])
         else:
             strided = plgpu.Layout.WG_STRIDED((QUERY_ROWS, d), vec_size=4)
@@ -566,8 +522,8 @@ def _decode_body(
         at stream positions that are multiples of compute_wgs, so each ring slot always feeds the
         same warpgroup); then the warpgroups' states merge in warpgroup order and warpgroup 0
         writes the item's output."""
-        queries = q_smem.shape[1]
-        reduced = plgpu.Layout.WGMMA.reduce(key_axis)
+        rows = q_smem.shape[1]
+        reduced = plgpu.Layout.WGMMA.reduce(1)
 
         def item(k, carry):
             g0, live = carry  # stream position, live (non-EMPTY) items so far
@@ -579,12 +535,9 @@ def _decode_body(
                 seq_len = seq_lens_ref[b]
                 buffer = lax.rem(live, q_buffers)
                 carry = (
-                    _laid_out(jnp.zeros((d, queries) if keys_on_rows else (queries, d), jnp.float32), plgpu.Layout.WGMMA,
-                              interpret=interpret),
-                    _laid_out(jnp.full((queries,), -jnp.inf, jnp.float32), reduced, interpret=interpret),
-                    # keys on rows: the sums per (key row, query), reduced over the rows after the loop
-                    _laid_out(jnp.zeros((block_k, queries), jnp.float32), plgpu.Layout.WGMMA, interpret=interpret)
-                    if keys_on_rows else _laid_out(jnp.zeros((queries,), jnp.float32), reduced, interpret=interpret),
+                    _laid_out(jnp.zeros((rows, d), jnp.float32), plgpu.Layout.WGMMA, interpret=interpret),
+                    _laid_out(jnp.full((rows,), -jnp.inf, jnp.float32), reduced, interpret=interpret),
+                    _laid_out(jnp.zeros((rows,), jnp.float32), reduced, interpret=interpret),
                 )
                 plgpu.barrier_wait(q_barriers.at[buffer])
                 lo, hi, sink_end = visible_range(seq_len - 1, seq_len, mask)
@@ -593,8 +546,6 @@ def _decode_body(
                                          keys=keys)
                 mine = jnp.maximum(num_blocks - wg + compute_wgs - 1, 0) // compute_wgs
                 acc, m, l = lax.fori_loop(0, mine, lambda n, c: fold(wg + n * compute_wgs, c), carry)
-                if keys_on_rows:
-                    l = l.sum(axis=0)
                 plgpu.barrier_arrive(q_free_barriers.at[buffer])
                 if compute_wgs == 1:  # no padding positions, no states to hand over
                     write_output(acc, m, l, b, h, s)
@@ -625,8 +576,7 @@ def _decode_body(
                         state = _merge_states(*state,
                                               _load(o_smem.at[other], plgpu.Layout.WGMMA, interpret=interpret, optimized=False),
                                               _load(ml_smem.at[0, other], reduced, interpret=interpret, optimized=False),
-                                              _load(ml_smem.at[1, other], reduced, interpret=interpret, optimized=False),
-                                              query_axis)
+                                              _load(ml_smem.at[1, other], reduced, interpret=interpret, optimized=False))
                     write_output(*state, b, h, s)
                     plgpu.barrier_arrive(handoff_free_barrier)
 
@@ -674,7 +624,7 @@ def _item_rows(tiles: jax.Array, group: int, q_row_stride: int) -> jax.Array:
     return picked.reshape(B, H_kv * group, S, *rest)
 
 
-@functools.partial(jax.jit, static_argnames=("layout", "sm_scale", "soft_cap", "mask", "config", "num_sms", "out_dtype",
+@functools.partial(jax.jit, static_argnames=("plan", "layout", "sm_scale", "soft_cap", "mask", "config", "num_sms", "out_dtype",
                                              "interpret"))
 def paged_decode_partials(
     q: jax.Array,  # [B, H_q, D]
@@ -683,9 +633,8 @@ def paged_decode_partials(
     page_table: jax.Array,  # i32[B_c, W]
     seq_lens: jax.Array,  # i32[B]
     cache_batch_idx: jax.Array | None,  # i32[B]; None: request b reads table row b
-    split_start: jax.Array | None,  # i32[B, S]; None with split_end: one slot, each request whole
-    split_end: jax.Array | None,  # i32[B, S]
     *,
+    plan: SplitPlan,
     layout: KVLayout,
     sm_scale: float,
     soft_cap: float | None,
@@ -695,15 +644,18 @@ def paged_decode_partials(
     out_dtype=jnp.float32,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
-    """Partial states of every split: (o [B, H_q, S, D] in out_dtype, lse f32[B, H_q, S]).
+    """Partial states of every split slot of `plan`: (o [B, H_q, S, D] in out_dtype, lse f32[B, H_q, S]).
 
-    With one slot (S = 1) the kernel writes every item, a request of length 0 as (0, -inf), in
-    index order (as the Triton kernel deals only plans of several slots). Without bounds and
-    cache rows, and with out_dtype = q.dtype (`MosaicDecodeConfig.staged_output_fits`), the call
-    then launches the kernel alone and its o is the call's output. With more slots the kernel
-    skips EMPTY splits: their lse is set to -inf here, and their o is left as the slot held it
-    (undefined), since a merge never reads an EMPTY state's o as data; a caller that hands the
-    states on zeroes it (on the H200 the zeroing here was a kernel of its own at B 1, 2.3 us).
+    With one slot (S = 1), or one request, the kernel finds each split's bounds itself and writes
+    every item, an EMPTY one as (0, -inf), in index order (as the Triton kernel deals only plans
+    of several slots, and one request's balanced splits differ by at most an aligned block:
+    nothing to rank). No XLA kernel runs before the launch; with one slot, no cache rows and
+    out_dtype = q.dtype (`MosaicDecodeConfig.staged_output_fits`), the kernel's o is the call's
+    output. With several requests in several slots XLA builds the bounds and the longest-first
+    order, and the kernel skips EMPTY splits: their lse is set to -inf here, and their o is left as
+    the slot held it (undefined), since a merge never reads an EMPTY state's o as data; a caller
+    that hands the states on zeroes it (on the H200 the zeroing here was a kernel of its own at
+    B 1, 2.3 us).
 
     Shapes and dtypes are checked by the public op `decodejax.decode_attention` and admission
     (`supports`); this wrapper only checks what the kernel itself assumes.
@@ -718,29 +670,26 @@ def paged_decode_partials(
     staged = config.staged_output_fits(D, q.dtype.itemsize, out_dtype.itemsize)
     if out_dtype != jnp.float32 and not staged:
         raise ValueError(f"out_dtype={out_dtype.name}: no shared memory left to stage it at head_dim={D}")
-    S = 1 if split_start is None else split_start.shape[1]
+    S = plan.capacity
+    # Bounds and order from XLA only where the longest-first deal needs them (at B 1 the bounds
+    # and the argsort with its key were kernels of their own on the H200: 4 of 6 launches).
+    dealt = S > 1 and B > 1
+    split_start, split_end = plan.bounds(seq_lens) if dealt else (None, None)
+    order = split_order(split_start, split_end, config.block_k) if dealt else None
     num_items = B * H_kv * S
     programs = min(num_items, config.programs or (INTERPRET_PROGRAMS if interpret else num_sms))
     q_rows, q_row_stride = _query_rows(q, H_kv)
     tiled = (plgpu.TilingTransform((TILE_ROWS, SWIZZLE_BYTES // q.dtype.itemsize)), plgpu.SwizzleTransform(SWIZZLE_BYTES))
-    narrow = (plgpu.TilingTransform((TILE_ROWS, NARROW_SWIZZLE_BYTES // q.dtype.itemsize)),
-              plgpu.SwizzleTransform(NARROW_SWIZZLE_BYTES))
-    queries = config.query_rows
     ring = (config.num_stages, config.block_k, D)
     body = functools.partial(
-        _decode_body, keys_on_rows=config.keys_on_rows, group=group, q_row_stride=q_row_stride, write_empty=S == 1,
-        programs=programs, num_splits=S, kv_heads=H_kv, num_items=num_items, page_size=P, layout=layout,
-        block_k=config.block_k, num_stages=config.num_stages, compute_wgs=config.compute_warpgroups, sm_scale=sm_scale,
-        soft_cap=soft_cap, mask=mask, interpret=interpret,
+        _decode_body, group=group, q_row_stride=q_row_stride, slot_plan=None if plan.whole_requests else plan,
+        write_empty=not dealt, programs=programs, num_splits=S,
+        kv_heads=H_kv, num_items=num_items, page_size=P, layout=layout, block_k=config.block_k,
+        num_stages=config.num_stages, compute_wgs=config.compute_warpgroups, sm_scale=sm_scale, soft_cap=soft_cap,
+        mask=mask, interpret=interpret,
     )
     if not staged:
         body = functools.partial(body, stage_smem=None)
-    if config.keys_on_rows:  # the last scratch buffer is each warpgroup's P^T
-        with_p = body
-        body = lambda *refs: with_p(*refs[:-1], p_smem=refs[-1])  # noqa: E731
-    # One request's balanced splits differ by at most an aligned block: nothing to rank (at B 1
-    # the argsort and its key were 2 of the call's 6 launches on the H200, 3.2 us of GPU time).
-    order = split_order(split_start, split_end, config.block_k) if S > 1 and B > 1 else None
     inputs = (q_rows, k_pages, v_pages, page_table, seq_lens, cache_batch_idx, split_start, split_end, order)
     extra = {}
     if interpret:
@@ -753,17 +702,15 @@ def paged_decode_partials(
     kernel = plgpu.kernel(
         _without_absent_inputs(body, inputs),
         out_type=(
-            jax.ShapeDtypeStruct(
-                (B, H_q, S, D) if staged else (B, H_kv, S, D, QUERY_COLUMNS) if config.keys_on_rows else (B, H_kv, S, QUERY_ROWS, D),
-                out_dtype),
+            jax.ShapeDtypeStruct((B, H_q, S, D) if staged else (B, H_kv, S, QUERY_ROWS, D), out_dtype),
             jax.ShapeDtypeStruct((B, H_kv, S, QUERY_ROWS), jnp.float32),
         ),
         scratch_types=[
-            plgpu.SMEM((q_buffers, queries, D), q.dtype, transforms=tiled),
+            plgpu.SMEM((q_buffers, WGMMA_ROWS, D), q.dtype, transforms=tiled),
             plgpu.SMEM(ring, k_pages.dtype, transforms=tiled),
-            plgpu.SMEM(ring, v_pages.dtype, transforms=narrow if config.keys_on_rows else tiled),
-            plgpu.SMEM((handoffs, D, queries) if config.keys_on_rows else (handoffs, queries, D), jnp.float32),
-            plgpu.SMEM((config.row_vectors(), handoffs, queries), jnp.float32),
+            plgpu.SMEM(ring, v_pages.dtype, transforms=tiled),
+            plgpu.SMEM((handoffs, WGMMA_ROWS, D), jnp.float32),
+            plgpu.SMEM((config.row_vectors(), handoffs, WGMMA_ROWS), jnp.float32),
             plgpu.Barrier(num_barriers=q_buffers),
             plgpu.Barrier(num_arrivals=config.compute_warpgroups, num_barriers=q_buffers),
             plgpu.Barrier(num_arrivals=copies_per_block, num_barriers=config.num_stages),
@@ -772,11 +719,8 @@ def paged_decode_partials(
             plgpu.Barrier(num_barriers=config.num_stages),
             plgpu.Barrier(num_arrivals=handoffs),
             plgpu.Barrier(),
-        ] + ([plgpu.SMEM((QUERY_ROWS, D), out_dtype)] if staged else [])
-          + ([plgpu.SMEM((config.compute_warpgroups, config.block_k, QUERY_COLUMNS), v_pages.dtype, transforms=narrow)]
-             if config.keys_on_rows else []),
-        # SHARED_MEMORY_BUDGET counts the reduction scratch (MosaicDecodeConfig._bytes)
-        compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=KEYS_ON_ROWS_REDUCTION_BYTES if config.keys_on_rows else 0),
+        ] + ([plgpu.SMEM((QUERY_ROWS, D), out_dtype)] if staged else []),
+        compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=0),  # SHARED_MEMORY_BUDGET counts none
         grid=(programs,),
         grid_names=("program",),
         num_threads=config.compute_warpgroups + 1,
@@ -786,10 +730,8 @@ def paged_decode_partials(
     )
     o, lse = kernel(*(x for x in inputs if x is not None))
     lse = _item_rows(lse, group, q_row_stride)
-    if config.keys_on_rows:  # O^T tiles [.., D, 16] -> query tiles [.., 16, D]
-        o = jnp.swapaxes(o, -1, -2)
     o = o if staged else _item_rows(o, group, q_row_stride)
-    if S == 1:
+    if not dealt:
         return o, lse
     # The kernel skips EMPTY splits: their slots hold whatever was there; the lse marks them EMPTY.
     return o, jnp.where((split_end > split_start)[:, None, :], lse, -jnp.inf)

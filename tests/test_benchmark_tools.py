@@ -126,25 +126,22 @@ def test_compiler_probe_patches_reach_the_mosaic_kernel(monkeypatch):
     assert plgpu.CompilerParams().approx_math is False  # restored
 
 
-@pytest.mark.parametrize("keys_on_rows", [False, True], ids=["query_rows", "keys_on_rows"])
-def test_bottleneck_probe_patches_lower_for_cuda(keys_on_rows):
+def test_bottleneck_probe_patches_lower_for_cuda():
     """mosaic_probes `bottleneck`: the kernel with its MMAs, its softmax or both replaced still lowers
-    for CUDA, in either tile form (the replacements keep the helpers' signatures and layouts)."""
+    for CUDA (the replacements keep the helpers' signatures and layouts)."""
     import jax
     import jax.numpy as jnp
 
     import decodejax
     from benchmarks.mosaic_probes import _without, patched
-    from pallas_kernels.decode_attention_mgpu import MosaicDecodeConfig
 
-    config = MosaicDecodeConfig(64, 4, 1, keys_on_rows=True) if keys_on_rows else None
     q = jax.ShapeDtypeStruct((4, 8, 128), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((64, 16, 2, 128), jnp.bfloat16)
     table, lens = jax.ShapeDtypeStruct((4, 16), jnp.int32), jax.ShapeDtypeStruct((4,), jnp.int32)
     for parts in (("mma",), ("softmax",), ("mma", "softmax")):
         with patched(_without(*parts)), decodejax.dispatch.targeting("gpu", "9.0"):
             jax.clear_caches()  # traced again with the patches
-            step = jax.jit(lambda q, k, v, t, l: decodejax.decode_attention(q, k, v, t, l, config=config, num_splits=2,
+            step = jax.jit(lambda q, k, v, t, l: decodejax.decode_attention(q, k, v, t, l, num_splits=2,
                                                                            backend="pallas_mosaic_gpu"))
             assert "decodejax_paged_decode_mgpu" in step.trace(q, k, k, table, lens).lower(lowering_platforms=("cuda",)).as_text()
     jax.clear_caches()

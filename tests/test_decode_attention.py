@@ -281,21 +281,6 @@ class MosaicDecodeAttentionCases(DecodeAttentionCases):
         ref_o, ref_lse = oracle(args, KVLayout.PAGED_NHD)
         assert_matches_oracle(o, lse, ref_o, ref_lse, "bfloat16", problem["seq_lens"])
 
-    @pytest.mark.parametrize("head_dim,block_k,num_splits,options", [
-        (64, 128, 1, {}), (128, 64, 2, {"window_left": 50, "sinks": 3}), (64, 64, 3, {"soft_cap": 20.0})])
-    def test_keys_on_rows_matches_oracle(self, head_dim, block_k, num_splits, options):
-        """The transposed block (S^T = K Q^T, softmax over the rows, O^T = V^T P^T): one slot whose
-        output leaves as O^T, split slots with a window and sinks cut inside blocks, a soft cap."""
-        from pallas_kernels.decode_attention_mgpu import MosaicDecodeConfig
-
-        spec = Spec(batch=3, q_heads=8, kv_heads=2, head_dim=head_dim, page_size=16, width=14)
-        problem = make_problem(spec, np.random.default_rng(23), lengths=(224, 0, 97))
-        args = to_device(problem, jnp.bfloat16)
-        config = MosaicDecodeConfig(block_k, 2, 1, keys_on_rows=True)
-        o, lse = self.run(args, config=config, num_splits=num_splits, **options)
-        ref_o, ref_lse = oracle(args, KVLayout.PAGED_NHD, **options)
-        assert_matches_oracle(o, lse, ref_o, ref_lse, "bfloat16", problem["seq_lens"])
-
     @pytest.mark.parametrize("programs,compute_warpgroups,stages", [(1, 2, 4), (3, 1, 2), (4, 3, 3)])
     def test_programs_walking_several_items_match_oracle(self, programs, compute_warpgroups, stages):
         """A persistent program streams its work items' blocks back to back: a slot refilled with
@@ -337,6 +322,21 @@ class MosaicDecodeAttentionCases(DecodeAttentionCases):
         ref_o, ref_lse = oracle(args, KVLayout.PAGED_NHD)
         assert_matches_oracle(o, lse, ref_o, ref_lse, "bfloat16", problem["seq_lens"])
         np.testing.assert_array_equal(np.asarray(parts.o[0, :, 6]), 0.0)  # EMPTY reads (0, -inf)
+
+    def test_one_request_finds_its_adaptive_bounds(self, monkeypatch):
+        """One request's slots take no bounds inputs: the kernel computes the auto plan's bounds
+        itself, and their count follows the request's own blocks (a 1,536-token table gives 4 slots
+        against a target of 4 splits; 700 tokens are 6 units of 128, so splits of 2 units: 3 splits,
+        the fourth slot EMPTY; a kernel that took the batch's blocks for 0 or 1 would fill all 4)."""
+        monkeypatch.setattr(decodejax.planning, "decode_target_splits", lambda *args, **kwargs: 4)
+        spec = Spec(batch=1, q_heads=4, kv_heads=1, head_dim=128, page_size=16, width=96)
+        problem = make_problem(spec, np.random.default_rng(29), lengths=(700,))
+        args = to_device(problem, jnp.bfloat16)
+        o, lse, parts = self.run(args, return_partial_states=True)
+        np.testing.assert_array_equal(np.asarray(parts.valid[0, 0]), [True, True, True, False])
+        np.testing.assert_array_equal(np.asarray(parts.o[0, :, 3]), 0.0)  # EMPTY reads (0, -inf)
+        ref_o, ref_lse = oracle(args, KVLayout.PAGED_NHD)
+        assert_matches_oracle(o, lse, ref_o, ref_lse, "bfloat16", problem["seq_lens"])
 
     @pytest.mark.parametrize("compute_warpgroups,stages", [(2, 4), (3, 3)])
     def test_partial_states_do_not_depend_on_the_items_before(self, compute_warpgroups, stages):
@@ -565,8 +565,6 @@ def test_mosaic_configs_must_fit_shared_memory():
     too_big = supports(16, 128, 4, jnp.bfloat16, MosaicDecodeConfig(block_k=128, num_stages=4, compute_warpgroups=2))
     assert len(too_big) == 1 and "bytes of shared memory" in too_big[0]
     assert supports(16, 128, 4, jnp.bfloat16, MosaicDecodeConfig(programs=0)) == ["programs=0 must be >= 1 (or None: one per SM)"]
-    shared_scratch = supports(16, 128, 4, jnp.bfloat16, MosaicDecodeConfig(compute_warpgroups=2, keys_on_rows=True))
-    assert len(shared_scratch) == 1 and "one compute warpgroup only" in shared_scratch[0]
 
 
 def test_triton_programs_take_every_item_once_longest_split_first():
@@ -591,15 +589,19 @@ def test_triton_programs_take_every_item_once_longest_split_first():
 
 
 def test_mosaic_call_ranks_the_splits_of_a_batch_only():
-    """A batch's split slots are ranked by an argsort; one request's are not (its balanced splits
-    differ by at most a block), which leaves its call without the sort and its key."""
+    """A batch's split slots are ranked by an argsort, from bounds XLA builds; one request's are not
+    (its balanced splits differ by at most a block), and the kernel finds their bounds itself: its
+    launch takes q (reshaped in place), the pool, the table and the lengths, nothing XLA computed."""
     q, k, table, lens = decode_shapes()
     with decodejax.dispatch.targeting("gpu", "9.0"):
         step = jax.jit(lambda q, k, v, t, l: decodejax.decode_attention(q, k, v, t, l, num_splits=4, backend="pallas_mosaic_gpu"))
-        for batch, sorts in ((4, 1), (1, 0)):
+        for batch, sorts, computed in ((4, 1, 4), (1, 0, 1)):  # computed operands: q's reshape (+ bounds, order)
             first = lambda x: jax.ShapeDtypeStruct((batch, *x.shape[1:]), x.dtype)  # the first `batch` requests
             text = step.trace(first(q), k, k, first(table), first(lens)).lower(lowering_platforms=("cuda",)).as_text()
             assert text.count("stablehlo.sort") == sorts, batch
+            operands = re.search(r"stablehlo\.custom_call @mosaic_gpu\w*\(([^)]*)\)", text).group(1).split(", ")
+            assert [x for x in operands if not x.startswith("%arg")] == operands[:1] + operands[5:], operands
+            assert len(operands) == 4 + computed, operands
 
 
 def test_mosaic_splits_are_dealt_longest_first():
@@ -611,8 +613,7 @@ def test_mosaic_splits_are_dealt_longest_first():
 
 
 @pytest.mark.parametrize("head_dim,config", [
-    (64, None), (128, None), (256, None), (128, (64, 5, 1)), (128, (64, 3, 3)), (64, (128, 6, 2)), (256, (64, 2, 1)),
-    (128, (64, 6, 1, None, True)), (64, (128, 6, 1, None, True)), (256, (64, 2, 1, None, True))])
+    (64, None), (128, None), (256, None), (128, (64, 5, 1)), (128, (64, 3, 3)), (64, (128, 6, 2)), (256, (64, 2, 1))])
 def test_admitted_mosaic_configs_lower_within_shared_memory(head_dim, config):
     """Mosaic GPU's lowering adds its own shared memory to the kernel's scratch and refuses a
     kernel over the device's 227 KiB (this check runs on CPU too); every config admission lets
@@ -623,11 +624,13 @@ def test_admitted_mosaic_configs_lower_within_shared_memory(head_dim, config):
 
     config = default_config(head_dim) if config is None else MosaicDecodeConfig(*config)
     assert supports(16, head_dim, 4, jnp.bfloat16, config) == []
-    q = jax.ShapeDtypeStruct((4, 8, head_dim), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((64, 16, 2, head_dim), jnp.bfloat16)
-    table, lens = jax.ShapeDtypeStruct((4, 16), jnp.int32), jax.ShapeDtypeStruct((4,), jnp.int32)
+    # One slot: the output tile in bf16 where it fits; two: f32 partial states, whose bounds XLA
+    # builds for a batch and the kernel finds itself for one request (fixed or adaptive, the auto plan).
     with decodejax.dispatch.targeting("gpu", "9.0"):
-        for num_splits in (1, 2):  # one slot: the output tile in bf16 where it fits; two: f32 partial states
+        for batch, num_splits in ((4, 1), (4, 2), (1, 2), (1, None)):
+            q = jax.ShapeDtypeStruct((batch, 8, head_dim), jnp.bfloat16)
+            table, lens = jax.ShapeDtypeStruct((batch, 16), jnp.int32), jax.ShapeDtypeStruct((batch,), jnp.int32)
             step = jax.jit(lambda q, k, v, t, l: decodejax.decode_attention(q, k, v, t, l, config=config, num_splits=num_splits,
                                                                            backend="pallas_mosaic_gpu"))
             step.trace(q, k, k, table, lens).lower(lowering_platforms=("cuda",))
