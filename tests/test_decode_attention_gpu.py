@@ -36,6 +36,7 @@ SWEEP = [
     (Spec(256, 8, 8, 128, 32, 40), {"deterministic": True}),
     (Spec(256, 64, 8, 64, 64, 20), {"sm_scale": 0.05, "num_splits": 64}),
     (Spec(8, 32, 8, 128, 16, 256), {}),  # the auto plan with 8 slots, split counts from the batch's lengths
+    (Spec(1, 32, 8, 128, 16, 2048), {}),  # one request, up to 32,768 tokens: the auto plan's slots, unranked
 ]
 # The same options on the Mosaic kernel's shapes (pages a multiple of 8).
 MOSAIC_SWEEP = [
@@ -46,8 +47,9 @@ MOSAIC_SWEEP = [
     (Spec(256, 8, 8, 128, 32, 40), {"deterministic": True}),
     (Spec(256, 64, 8, 64, 64, 20), {"sm_scale": 0.05, "num_splits": 64}),
     (Spec(8, 32, 8, 128, 16, 256), {}),
+    (Spec(1, 32, 8, 128, 16, 2048), {}),  # one request: the kernel finds its slots' bounds itself
 ]
-DRAWS = 7  # (6 shapes x 256 rows + 8 rows) x 7 draws = 10,808 rows per dtype
+DRAWS = 7  # (6 shapes x 256 rows + 8 rows + 1 row) x 7 draws = 10,815 rows per dtype
 
 
 @pytest.mark.parametrize("backend,sweep", [("pallas_triton", SWEEP), ("pallas_mosaic_gpu", MOSAIC_SWEEP)], ids=["triton", "mosaic"])
