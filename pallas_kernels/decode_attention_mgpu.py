@@ -291,7 +291,7 @@ def _decode_body(
     table_ref,  # i32[B_c, W]
     seq_lens_ref,  # i32[B]
     cache_idx_ref,  # i32[B], or None: request b reads table row b
-    start_ref,  # i32[B, S], or None with end_ref: the kernel finds each split's bounds (`slot_plan`)
+    start_ref,  # i32[B, S], or None with end_ref: the kernel finds each split's bounds from `plan`
     end_ref,  # i32[B, S]
     order_ref,  # i32[B * S]: the splits b * S + s, longest first; None: in index order (one slot, or one request)
     o_ref,  # [B, H_q, S, D] in the output's dtype through stage_smem, else f32[B, H_kv, S, QUERY_ROWS, D] (query tiles)
@@ -313,10 +313,8 @@ def _decode_body(
     *,
     group: int,
     q_row_stride: int,
-    slot_plan: SplitPlan | None,  # without bounds inputs: the plan of each split's bounds; None: one slot, [0, seq_len)
-    write_empty: bool,
+    plan: SplitPlan,  # its capacity is the slots per request, S
     programs: int,
-    num_splits: int,
     kv_heads: int,
     num_items: int,
     page_size: int,
@@ -345,7 +343,7 @@ def _decode_body(
         ones, so every program gets a long item and a short one in turn."""
         i = k * programs + jnp.where(k % 2 == 0, program, programs - 1 - program)
         split = i // kv_heads if order_ref is None else order_ref[i // kv_heads]
-        h, b, s = lax.rem(i, kv_heads), split // num_splits, lax.rem(split, num_splits)
+        h, b, s = lax.rem(i, kv_heads), split // plan.capacity, lax.rem(split, plan.capacity)
         start, end = split_bounds(b, s)
         return b, h, s, start, end, start // block_k, split_blocks(start, end, block_k)
 
@@ -354,10 +352,10 @@ def _decode_body(
         if start_ref is not None:
             return start_ref[b, s], end_ref[b, s]
         seq_len = seq_lens_ref[b]
-        if slot_plan is None:  # one slot: the whole request
+        if plan.whole_requests:  # one slot: the whole request
             return 0, seq_len
         # One request (the wrapper's rule): the batch's blocks, which an adaptive plan divides, are its own.
-        return slot_plan.slot_bounds(jnp, seq_len, s, slot_plan.total_blocks(jnp, seq_len))
+        return plan.slot_bounds(jnp, seq_len, s, plan.total_blocks(jnp, seq_len))
 
     def stream_positions(num_blocks):
         """Positions an item takes in its program's block stream: its blocks, rounded up to a
@@ -373,9 +371,10 @@ def _decode_body(
         return first // QUERY_ROWS, lax.rem(first, QUERY_ROWS)
 
     def written(num_blocks):
-        """Whether the item is computed and written: an EMPTY split is skipped (the wrapper masks its
-        slot) unless write_empty (then its state is (0, -inf) like any other's)."""
-        return (num_blocks > 0) | write_empty
+        """Whether the item is computed and written: with bounds inputs an EMPTY split is skipped (the
+        wrapper masks its slot from them); without, nothing masks afterwards, so its state is
+        written as (0, -inf) like any other's."""
+        return (num_blocks > 0) | (start_ref is None)
 
     def block_pages(b, end, first_block, block):
         """Page ids of a block's copies (clamped to the split's last page, so always in the table)."""
@@ -682,8 +681,7 @@ def paged_decode_partials(
     tiled = (plgpu.TilingTransform((TILE_ROWS, SWIZZLE_BYTES // q.dtype.itemsize)), plgpu.SwizzleTransform(SWIZZLE_BYTES))
     ring = (config.num_stages, config.block_k, D)
     body = functools.partial(
-        _decode_body, group=group, q_row_stride=q_row_stride, slot_plan=None if plan.whole_requests else plan,
-        write_empty=not dealt, programs=programs, num_splits=S,
+        _decode_body, group=group, q_row_stride=q_row_stride, plan=plan, programs=programs,
         kv_heads=H_kv, num_items=num_items, page_size=P, layout=layout, block_k=config.block_k,
         num_stages=config.num_stages, compute_wgs=config.compute_warpgroups, sm_scale=sm_scale, soft_cap=soft_cap,
         mask=mask, interpret=interpret,
