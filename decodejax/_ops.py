@@ -237,7 +237,7 @@ def _attention_pallas(q, k_pages, v_pages, page_table, seq_lens, *, layout, cach
         if plan.capacity == 1:
             o, lse = part_o[:, :, 0], part_lse[:, :, 0]
         else:
-            o, lse = _merge_xla(part_o, part_lse) if mosaic else _merge_pallas(part_o, part_lse, interpret=interpret)
+            o, lse = _merge_slot_by_slot(part_o, part_lse) if mosaic else _merge_pallas(part_o, part_lse, interpret=interpret)
     out = (o.astype(q.dtype), lse) if return_lse else (o.astype(q.dtype),)
     if return_partial_states:
         valid = part_lse > -jnp.inf
@@ -366,6 +366,29 @@ def _merge_xla(o, lse):
     safe_l = jnp.where(valid, l, 1.0)
     merged_o = jnp.where(valid, acc / safe_l, 0.0)
     merged_lse = jnp.where(valid, m + jnp.log(safe_l), -jnp.inf)[..., 0]
+    return merged_o.astype(o.dtype), merged_lse
+
+
+def _merge_slot_by_slot(o, lse):
+    """`split_state.merge_lse_along` over the slot axis, written slot by slot on o's shape: the S
+    static slices (a decode plan's few slots) make the merge elementwise over the merged o, so XLA
+    can fuse it, with the convert to o's dtype, into one loop kernel. Every slot's lse is
+    broadcast over D before its exponential, as a fusion that reused one exponential across D
+    would not take it in. The variadic reduction (`_merge_xla`) ran as a reduction kernel and a
+    convert kernel on the H200 (2.5 + 0.9 us of GPU time at B 1, T 32,768, 16 slots)."""
+    slots = range(o.shape[-2])
+    lse32 = [jnp.broadcast_to(lse[..., s, None].astype(jnp.float32), o.shape[:-2] + o.shape[-1:]) for s in slots]
+    live = [x > -jnp.inf for x in lse32]
+    peak = functools.reduce(jnp.maximum, lse32)
+    valid = peak > -jnp.inf
+    safe_peak = jnp.where(valid, peak, 0.0)
+    weights = [jnp.where(ok, jnp.exp(jnp.where(ok, x, 0.0) - safe_peak), 0.0) for ok, x in zip(live, lse32)]
+    total = functools.reduce(jnp.add, weights)
+    acc = functools.reduce(jnp.add, (w * jnp.where(ok, o[..., s, :].astype(jnp.float32), 0.0)  # EMPTY o is never data
+                                     for s, ok, w in zip(slots, live, weights)))
+    safe_total = jnp.where(valid, total, 1.0)
+    merged_o = jnp.where(valid, acc / safe_total, 0.0)
+    merged_lse = jnp.where(valid, peak + jnp.log(safe_total), -jnp.inf)[..., 0]
     return merged_o.astype(o.dtype), merged_lse
 
 

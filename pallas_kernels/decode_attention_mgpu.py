@@ -4,9 +4,10 @@ The partial-state contract of the Triton producer (`pallas_kernels.decode_attent
 `paged_decode(..., partial_states=True)`): each work item (request b, K/V head h, split slot s)
 streams the split's key range [start, end) and returns the split's normalized partial state
 (o, lse) in float32, EMPTY as (0, -inf). A batch of several requests split in several slots
-takes its bounds as i32[B, S] inputs (`SplitPlan.bounds`, built by XLA with the longest-first
-order that needs them); one request's split slots, and one-slot plans, find their bounds in the
-kernel, as the Triton kernel's programs do. It moves data differently:
+with more work items than programs takes its bounds as i32[B, S] inputs (`SplitPlan.bounds`,
+built by XLA with the longest-first order that needs them); otherwise (one slot, one request, or
+no more items than programs) the kernel finds the bounds itself, as the Triton kernel's programs
+do. It moves data differently:
 
 - The kernel is persistent. One program fills an SM's shared memory and registers, so a program
   per work item would leave every SM idle while each program's first copies are in flight and
@@ -14,11 +15,12 @@ kernel, as the Triton kernel's programs do. It moves data differently:
   the Triton kernel's 2 programs per SM and 4.0 TB/s; benchmarks/results/ncu_decode.json). So
   `programs` programs (one per SM) each take every programs-th work item, and their producer
   treats the items' blocks as one stream: the next item's copies start while the current
-  item's last blocks are computed and its output written. With several split slots the items
-  of a batch are dealt longest first (`split_order`; one request's are taken in index order),
-  and EMPTY splits are skipped, not written: the wrapper marks their lse -inf from the bounds.
-  With one slot, or one request, they are taken in index order and every item is written, so no
-  XLA kernel runs before the launch.
+  item's last blocks are computed and its output written. When a batch's split slots outnumber
+  the programs, the items are dealt longest first (`split_order`), and EMPTY splits are skipped,
+  not written: the wrapper marks their lse -inf from the bounds. Otherwise (one slot, one
+  request's balanced splits, or at most one item a program, where the order changes nothing)
+  they are taken in index order and every item is written, so no XLA kernel runs before the
+  launch.
 - Warpgroups specialize. A producer warpgroup copies K and V by TMA, one copy per page of a
   block of `block_k` tokens, into a ring of `num_stages` shared-memory slots (one barrier per
   slot counts the block's copies) and refills a slot's K, then its V, as soon as the compute
@@ -293,7 +295,7 @@ def _decode_body(
     cache_idx_ref,  # i32[B], or None: request b reads table row b
     start_ref,  # i32[B, S], or None with end_ref: the kernel finds each split's bounds from `plan`
     end_ref,  # i32[B, S]
-    order_ref,  # i32[B * S]: the splits b * S + s, longest first; None: in index order (one slot, or one request)
+    order_ref,  # i32[B * S]: the splits b * S + s, longest first; None (with the bounds): in index order
     o_ref,  # [B, H_q, S, D] in the output's dtype through stage_smem, else f32[B, H_kv, S, QUERY_ROWS, D] (query tiles)
     lse_ref,  # f32[B, H_kv, S, QUERY_ROWS]: the lse of the 8-row query tile that holds (b, h)'s rows
     q_smem,  # [q_buffers, 64, D]: the query rows of the current (and next) work item
@@ -354,8 +356,16 @@ def _decode_body(
         seq_len = seq_lens_ref[b]
         if plan.whole_requests:  # one slot: the whole request
             return 0, seq_len
-        # One request (the wrapper's rule): the batch's blocks, which an adaptive plan divides, are its own.
-        return plan.slot_bounds(jnp, seq_len, s, plan.total_blocks(jnp, seq_len))
+        return plan.slot_bounds(jnp, seq_len, s, batch_blocks())
+
+    def batch_blocks():
+        """`plan.total_blocks` of the batch (None unless the plan adapts to it): the lengths summed
+        here, as scalars. The wrapper leaves the bounds to the kernel only where that is cheap:
+        one request, or a batch with at most one item a program (B <= programs / (H_kv * S))."""
+        batch = seq_lens_ref.shape[0]
+        if not plan.adapts_to_batch:
+            return None
+        return sum(plan.total_blocks(jnp, seq_lens_ref[i]) for i in range(batch))
 
     def stream_positions(num_blocks):
         """Positions an item takes in its program's block stream: its blocks, rounded up to a
@@ -645,16 +655,17 @@ def paged_decode_partials(
 ) -> tuple[jax.Array, jax.Array]:
     """Partial states of every split slot of `plan`: (o [B, H_q, S, D] in out_dtype, lse f32[B, H_q, S]).
 
-    With one slot (S = 1), or one request, the kernel finds each split's bounds itself and writes
-    every item, an EMPTY one as (0, -inf), in index order (as the Triton kernel deals only plans
-    of several slots, and one request's balanced splits differ by at most an aligned block:
-    nothing to rank). No XLA kernel runs before the launch; with one slot, no cache rows and
+    With one slot (S = 1), one request, or no more work items (B * H_kv * S) than programs, the
+    kernel finds each split's bounds itself and writes every item, an EMPTY one as (0, -inf), in
+    index order (as the Triton kernel deals only plans of several slots; one request's balanced
+    splits differ by at most an aligned block, and a program with one item has no order to
+    choose). No XLA kernel runs before the launch; with one slot, no cache rows and
     out_dtype = q.dtype (`MosaicDecodeConfig.staged_output_fits`), the kernel's o is the call's
-    output. With several requests in several slots XLA builds the bounds and the longest-first
-    order, and the kernel skips EMPTY splits: their lse is set to -inf here, and their o is left as
-    the slot held it (undefined), since a merge never reads an EMPTY state's o as data; a caller
-    that hands the states on zeroes it (on the H200 the zeroing here was a kernel of its own at
-    B 1, 2.3 us).
+    output. With more items than programs XLA builds the bounds and the longest-first order, and
+    the kernel skips EMPTY splits: their lse is set to -inf here, and their o is left as the slot
+    held it (undefined), since a merge never reads an EMPTY state's o as data; a caller that
+    hands the states on zeroes it (on the H200 the zeroing here was a kernel of its own at B 1,
+    2.3 us).
 
     Shapes and dtypes are checked by the public op `decodejax.decode_attention` and admission
     (`supports`); this wrapper only checks what the kernel itself assumes.
@@ -670,13 +681,15 @@ def paged_decode_partials(
     if out_dtype != jnp.float32 and not staged:
         raise ValueError(f"out_dtype={out_dtype.name}: no shared memory left to stage it at head_dim={D}")
     S = plan.capacity
-    # Bounds and order from XLA only where the longest-first deal needs them (at B 1 the bounds
-    # and the argsort with its key were kernels of their own on the H200: 4 of 6 launches).
-    dealt = S > 1 and B > 1
-    split_start, split_end = plan.bounds(seq_lens) if dealt else (None, None)
-    order = split_order(split_start, split_end, config.block_k) if dealt else None
     num_items = B * H_kv * S
     programs = min(num_items, config.programs or (INTERPRET_PROGRAMS if interpret else num_sms))
+    # Bounds and order from XLA only where the longest-first deal needs them: a batch's slots
+    # outnumbering the programs (on the H200 the bounds, the batch's total, the argsort and its
+    # key were four kernels of their own before the launch: 4 of 6 launches at B 1, 4.8 us of GPU
+    # time a call at B 8, T 8,192, whose 128 items fit the 132 programs).
+    dealt = S > 1 and B > 1 and num_items > programs
+    split_start, split_end = plan.bounds(seq_lens) if dealt else (None, None)
+    order = split_order(split_start, split_end, config.block_k) if dealt else None
     q_rows, q_row_stride = _query_rows(q, H_kv)
     tiled = (plgpu.TilingTransform((TILE_ROWS, SWIZZLE_BYTES // q.dtype.itemsize)), plgpu.SwizzleTransform(SWIZZLE_BYTES))
     ring = (config.num_stages, config.block_k, D)

@@ -323,6 +323,24 @@ class MosaicDecodeAttentionCases(DecodeAttentionCases):
         assert_matches_oracle(o, lse, ref_o, ref_lse, "bfloat16", problem["seq_lens"])
         np.testing.assert_array_equal(np.asarray(parts.o[0, :, 6]), 0.0)  # EMPTY reads (0, -inf)
 
+    def test_a_batch_of_one_item_a_program_finds_its_adaptive_bounds(self, monkeypatch):
+        """With a program for every work item, a batch's slots take no bounds inputs either: the
+        kernel sums the batch's blocks itself, and each request's split count follows that total
+        (a 1,536-token table of two requests gives 4 slots against a target of 8 splits; 12 and 6
+        units of 128 are 18 in all, so splits of 3 units: 4 and 2 splits. A kernel that took a
+        request's own blocks for the total would give the second request 4 splits.)"""
+        from pallas_kernels.decode_attention_mgpu import MosaicDecodeConfig
+
+        monkeypatch.setattr(decodejax.planning, "decode_target_splits", lambda *args, **kwargs: 8)
+        spec = Spec(batch=2, q_heads=4, kv_heads=1, head_dim=128, page_size=16, width=96)
+        problem = make_problem(spec, np.random.default_rng(31), lengths=(1536, 700))
+        args = to_device(problem, jnp.bfloat16)
+        o, lse, parts = self.run(args, config=MosaicDecodeConfig(programs=8), return_partial_states=True)
+        np.testing.assert_array_equal(np.asarray(parts.valid[:, 0]), [[True] * 4, [True, True, False, False]])
+        np.testing.assert_array_equal(np.asarray(parts.o[1, :, 2:]), 0.0)  # EMPTY reads (0, -inf)
+        ref_o, ref_lse = oracle(args, KVLayout.PAGED_NHD)
+        assert_matches_oracle(o, lse, ref_o, ref_lse, "bfloat16", problem["seq_lens"])
+
     def test_one_request_finds_its_adaptive_bounds(self, monkeypatch):
         """One request's slots take no bounds inputs: the kernel computes the auto plan's bounds
         itself, and their count follows the request's own blocks (a 1,536-token table gives 4 slots
@@ -446,6 +464,31 @@ def test_merge_states_backends_match_algebra_and_ignore_empty_slots():
     more_lse = np.concatenate([lse, np.full((3, 5, 4), -np.inf, np.float32)], axis=2)
     again = decodejax.merge_states(jnp.asarray(more_o), jnp.asarray(more_lse), backend="pallas_triton_interpret")
     np.testing.assert_array_equal(np.asarray(again[0]), np.asarray(got_o))
+
+
+def test_the_mosaic_paths_slot_by_slot_merge_matches_the_algebra():
+    """The Mosaic path's merge, one slot at a time on o's shape: the algebra's result, EMPTY slots
+    (their o NaN) weighing nothing, an all-EMPTY row giving (0, -inf), and a row of one live slot
+    its own state exactly."""
+    from decodejax._ops import _merge_slot_by_slot
+
+    rng = np.random.default_rng(12)
+    o = rng.normal(size=(3, 5, 16, 64)).astype(np.float32)
+    lse = (rng.normal(size=(3, 5, 16)) * 5).astype(np.float32)
+    lse[0, 0] = -np.inf
+    lse[1, :, 7:] = -np.inf
+    o[1, :, 7:] = np.nan
+    lse[2, 1, 1:] = -np.inf
+    got_o, got_lse = jax.jit(_merge_slot_by_slot)(jnp.asarray(o), jnp.asarray(lse))
+    algebra = decodejax.split_state.merge_lse_along(
+        decodejax.split_state.LseState(valid=jnp.asarray(lse) > -jnp.inf, lse=jnp.asarray(lse), o=jnp.asarray(o)), axis=-1)
+    np.testing.assert_allclose(np.asarray(got_o), np.asarray(algebra.o), atol=1e-6, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(got_lse), np.asarray(algebra.lse), atol=1e-6, rtol=1e-6)
+    assert np.all(np.asarray(got_o)[0, 0] == 0) and np.asarray(got_lse)[0, 0] == -np.inf
+    np.testing.assert_array_equal(np.asarray(got_o)[2, 1], o[2, 1, 0])
+    np.testing.assert_array_equal(np.asarray(got_lse)[2, 1], lse[2, 1, 0])
+    bf16_o, _ = _merge_slot_by_slot(jnp.asarray(o, jnp.bfloat16), jnp.asarray(lse))
+    assert bf16_o.dtype == jnp.bfloat16
 
 
 @pytest.mark.parametrize("block_s", [8, None])
@@ -589,13 +632,15 @@ def test_triton_programs_take_every_item_once_longest_split_first():
 
 
 def test_mosaic_call_ranks_the_splits_of_a_batch_only():
-    """A batch's split slots are ranked by an argsort, from bounds XLA builds; one request's are not
-    (its balanced splits differ by at most a block), and the kernel finds their bounds itself: its
-    launch takes q (reshaped in place), the pool, the table and the lengths, nothing XLA computed."""
+    """The split slots of a batch with more work items than programs are ranked by an argsort, from
+    bounds XLA builds (B 8: 8 x 8 x 4 items for 132 programs). Those of one request are not (its
+    balanced splits differ by at most a block), nor those of a batch with at most one item a
+    program (B 4: 128 items): the kernel finds their bounds itself, and its launch takes q
+    (reshaped in place), the pool, the table and the lengths, nothing XLA computed."""
     q, k, table, lens = decode_shapes()
     with decodejax.dispatch.targeting("gpu", "9.0"):
         step = jax.jit(lambda q, k, v, t, l: decodejax.decode_attention(q, k, v, t, l, num_splits=4, backend="pallas_mosaic_gpu"))
-        for batch, sorts, computed in ((4, 1, 4), (1, 0, 1)):  # computed operands: q's reshape (+ bounds, order)
+        for batch, sorts, computed in ((8, 1, 4), (4, 0, 1), (1, 0, 1)):  # computed operands: q's reshape (+ bounds, order)
             first = lambda x: jax.ShapeDtypeStruct((batch, *x.shape[1:]), x.dtype)  # the first `batch` requests
             text = step.trace(first(q), k, k, first(table), first(lens)).lower(lowering_platforms=("cuda",)).as_text()
             assert text.count("stablehlo.sort") == sorts, batch
