@@ -28,6 +28,10 @@ The requests decode greedily. With `--top-p P` they sample (temperature 1, nucle
 each step then also dispatches the runner's sorting `resample_step`, which the replay leaves
 out.
 
+`--prefer-backends NAMES` captures the steps inside `decodejax.dispatch.preferring(*NAMES)` (e.g.
+pallas_mosaic_gpu: decode attention on the Mosaic GPU kernel); the result records the backends
+each bucket's step selected.
+
 `--profile-steps N` traces N more steps per shape with jax.profiler and records the GPU time
 per step by kernel name (benchmarks.profile_summary): what the step's time goes to.
 
@@ -274,6 +278,7 @@ def main(argv=None):
     parser.add_argument("--peer", action="store_true", help="run benchmarks.peers.hf_generate in a second process")
     parser.add_argument("--peer-json", default=None, help="a finished benchmarks.peers.hf_generate result to compare with")
     parser.add_argument("--from-json", default=None, help="an earlier result of this script to add the peer to (no measuring)")
+    parser.add_argument("--prefer-backends", default="", help="comma-separated backends automatic selection tries first")
     parser.add_argument("--out", default="benchmarks/results/e2e_decode.json")
     args = parser.parse_args(argv)
     batches = [int(b) for b in args.batch.split(",")]
@@ -309,6 +314,7 @@ def measure_all(args, batches: list[int], contexts: list[int]) -> dict:
     import jax
     import jax.numpy as jnp
 
+    from decodejax import dispatch
     from models import llama
 
     page, extra = 16, args.warmup + args.steps + args.profile_steps + 4
@@ -317,7 +323,9 @@ def measure_all(args, batches: list[int], contexts: list[int]) -> dict:
     build_s = time.perf_counter() - t0
     pool_tokens = args.pool_tokens or default_pool_tokens(model.config, max(batches) * (max(contexts) + extra + page), jnp.dtype(args.dtype).itemsize)
     print(f"model built in {build_s:.1f} s; pool of {pool_tokens} tokens", flush=True)
-    engine = build_engine(model, batches, max(contexts) + extra + page, pool_tokens, page, args.dtype)
+    prefer = tuple(n for n in args.prefer_backends.split(",") if n)
+    with dispatch.preferring(*prefer):
+        engine = build_engine(model, batches, max(contexts) + extra + page, pool_tokens, page, args.dtype)
     print(f"captured {sorted(engine.capture_seconds)} in {sum(engine.capture_seconds.values()):.1f} s", flush=True)
     fill_pool_with_noise(engine)
     dbytes = jnp.dtype(args.dtype).itemsize
@@ -326,7 +334,10 @@ def measure_all(args, batches: list[int], contexts: list[int]) -> dict:
     result = {"machine": {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "python": platform.python_version()},
               "model": args.model, "dtype": args.dtype, "pool_tokens": pool_tokens, "model_build_s": build_s,
               "capture_s": engine.capture_seconds, "compiled_memory": engine.runner.compiled_memory(), "steps": args.steps,
-              "warmup": args.warmup, "sampling": "greedy" if args.top_p is None else {"top_p": args.top_p}, "rows": rows}
+              "warmup": args.warmup, "sampling": "greedy" if args.top_p is None else {"top_p": args.top_p},
+              "prefer_backends": list(prefer),
+              "selected_backends": {bs: sorted({(s.key.operation, s.key.phase, s.backend) for s in sel}) for bs, sel in engine.runner.selections.items()},
+              "rows": rows}
     print("compiled memory per bucket", result["compiled_memory"], flush=True)
     for context in contexts:
         for batch in batches:

@@ -301,14 +301,26 @@ class Selection:
 
 @dataclasses.dataclass(frozen=True)
 class SelectionPolicy:
-    """Automatic-selection policy: backends to leave out of the domain (none by default)."""
+    """Automatic-selection policy: backends to leave out of the domain, and backends to try first
+    (in the order given, before the rest by priority) where they admit a call; none by default."""
 
     exclude: tuple[str, ...] = ()
+    prefer: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        unknown = [n for n in self.exclude + self.prefer if n not in backends()]
+        if unknown:
+            raise MalformedCall(f"backends {unknown} are not among {backends()}")
+
+    def rank(self, b: Backend) -> tuple[int, int]:
+        return (self.prefer.index(b.name) if b.name in self.prefer else len(self.prefer), -b.priority)
 
 
-def select(key: DispatchKey, policy: SelectionPolicy = SelectionPolicy()) -> Selection:
-    """Forced: the requested backend admits the key or AdmissionError; auto: first admitted by priority."""
-    domain = [b for b in sorted(REGISTRY, key=lambda b: -b.priority)
+def select(key: DispatchKey, policy: SelectionPolicy | None = None) -> Selection:
+    """Forced: the requested backend admits the key or AdmissionError; auto: first admitted by the
+    policy's order (default: the one `preferring` set, else priority alone)."""
+    policy = current_policy() if policy is None else policy
+    domain = [b for b in sorted(REGISTRY, key=policy.rank)
               if key.device_type in b.platforms and key.phase in b.phases and key.operation in b.operations
               and b.name not in policy.exclude]
     candidates = tuple((b.name, tuple(b.reasons(key))) for b in domain)
@@ -345,6 +357,29 @@ def targeting(device_type: str, compute_capability: str | None = None) -> Iterat
         yield
     finally:
         _target.env = previous
+
+
+# -- preferred backends: a caller's order for automatic selection ---------------------------
+_policy = threading.local()
+
+
+@contextlib.contextmanager
+def preferring(*names: str) -> Iterator[None]:
+    """Automatic selection inside the block tries `names` first, in that order, and falls back to
+    priority where none of them admits a call (or its operation is outside their domain): e.g.
+    preferring("pallas_mosaic_gpu") runs decode attention on the Mosaic GPU kernel and leaves
+    append attention and merges to the others. Selection happens where a call is traced, so the
+    block must hold the tracing (for the runtime: the capture of its steps)."""
+    previous = current_policy()
+    _policy.value = dataclasses.replace(previous, prefer=tuple(names))
+    try:
+        yield
+    finally:
+        _policy.value = previous
+
+
+def current_policy() -> SelectionPolicy:
+    return getattr(_policy, "value", SelectionPolicy())
 
 
 # -- bucket mode: set by the runtime while it compiles a bucket --------------------------

@@ -112,6 +112,23 @@ def test_D1_unknown_forced_backend_is_malformed():
         select(changed(backend_request="fast"))
 
 
+def test_preferring_tries_the_named_backends_first_where_they_admit_a_call():
+    """Inside `preferring`, automatic selection takes the Mosaic GPU kernel for paged decode, falls
+    back by priority where it refuses a call (page size 8 is fine, 24 is not: neither divides the
+    other with its 64-token blocks) or where the operation is outside its domain (append), and
+    forgets the preference after the block. An unknown name is refused before any selection."""
+    with dispatch.preferring("pallas_mosaic_gpu"):
+        assert select(BASE).backend == "pallas_mosaic_gpu" and not select(BASE).fallback
+        refused = select(changed(page_size=24))
+        assert refused.backend == "pallas_triton" and refused.fallback
+        assert refused.rejected_above[0][0] == "pallas_mosaic_gpu"
+        assert select(changed(phase="append", q_len=4)).backend == "pallas_triton"
+    assert select(BASE).backend == "pallas_triton"
+    with pytest.raises(MalformedCall, match="'mosaic'"):
+        with dispatch.preferring("mosaic"):
+            pass
+
+
 def test_explain_prints_candidates_reasons_and_winner(capsys):
     fields = dataclasses.asdict(changed(head_dim_qk=80, head_dim_v=80, bucket_mode=False))
     outcome = decodejax.explain(**fields)

@@ -32,12 +32,16 @@ def run_e2e_benchmark(tmp_path, *args) -> dict:
 
 def test_e2e_benchmark_runs_on_a_tiny_model(tmp_path):
     """The end-to-end benchmark script, on CPU with the tiny preset (its GPU run is separate)."""
-    rows = run_e2e_benchmark(tmp_path, "--batch", "1,3", "--steps", "4", "--profile-steps", "1")["rows"]
+    result = run_e2e_benchmark(tmp_path, "--batch", "1,3", "--steps", "4", "--profile-steps", "1")
+    rows = result["rows"]
     assert [(r["batch"], r["context"]) for r in rows] == [(1, 24), (3, 24)]
     assert all(len(r["step_ms_samples"]) == 4 and r["tokens_per_s"] > 0 and 0 < r["roofline_fraction"] for r in rows)
     assert all(len(r["replay_ms_samples"]) == 10 and r["replay_ms_median"] > 0 for r in rows)
     # One traced engine step dispatches two decode steps (the engine keeps one in flight).
     assert all(r["profile"]["steps"] == 2 and r["profile"]["wall_ms_per_step_traced"] > 0 for r in rows)
+    # The backends each bucket's step selected (on CPU: the XLA reference for decode attention).
+    assert result["prefer_backends"] == [] and set(result["selected_backends"]) == {"1", "3"}
+    assert all(["attention", "decode", "xla"] in chosen for chosen in result["selected_backends"].values())
 
 
 def test_e2e_benchmark_samples_with_top_p_when_asked(tmp_path):
