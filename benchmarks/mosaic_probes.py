@@ -246,7 +246,7 @@ def _tile_variants(k, v, case):
     mosaic = dict(backend="pallas_mosaic_gpu")
     variants = {"mgpu/auto": (mosaic, k, v, {})}
     for block_k, stages, warpgroups in ((64, 4, 2), (64, 8, 2), (128, 2, 2), (128, 4, 2), (128, 6, 2), (64, 3, 3), (64, 6, 3),
-                                        (128, 3, 3), (256, 2, 2)):
+                                        (128, 3, 3)):
         config = MosaicDecodeConfig(block_k=block_k, num_stages=stages, compute_warpgroups=warpgroups)
         if not supports(16, case.head_dim, case.q_heads // case.kv_heads, jnp.bfloat16, config):
             variants[f"mgpu/bk={block_k},st={stages},wg={warpgroups}"] = (dict(mosaic, config=config), k, v, {})
