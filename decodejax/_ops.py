@@ -372,10 +372,10 @@ def _merge_xla(o, lse):
 def _merge_slot_by_slot(o, lse):
     """`split_state.merge_lse_along` over the slot axis, written slot by slot on o's shape: the S
     static slices (a decode plan's few slots) make the merge elementwise over the merged o, so XLA
-    can fuse it, with the convert to o's dtype, into one loop kernel. Every slot's lse is
-    broadcast over D before its exponential, as a fusion that reused one exponential across D
-    would not take it in. The variadic reduction (`_merge_xla`) ran as a reduction kernel and a
-    convert kernel on the H200 (2.5 + 0.9 us of GPU time at B 1, T 32,768, 16 slots)."""
+    can fuse it, with the convert to o's dtype, into one loop kernel (every slot's lse is broadcast
+    over D first, so that each element computes its own weights). On the H200 it ran as one kernel
+    of 2.3 us at B 1, T 32,768 (16 slots) and 1.7 us at B 8, T 8,192 (2 slots), where the variadic
+    reduction (`_merge_xla`) ran as a reduction kernel and a convert kernel (2.5 + 0.9 us at B 1)."""
     slots = range(o.shape[-2])
     lse32 = [jnp.broadcast_to(lse[..., s, None].astype(jnp.float32), o.shape[:-2] + o.shape[-1:]) for s in slots]
     live = [x > -jnp.inf for x in lse32]

@@ -313,6 +313,7 @@ class SelectionPolicy:
             raise MalformedCall(f"backends {unknown} are not among {backends()}")
 
     def rank(self, b: Backend) -> tuple[int, int]:
+        """Sort key of automatic selection: the preferred backends in their order, then priority."""
         return (self.prefer.index(b.name) if b.name in self.prefer else len(self.prefer), -b.priority)
 
 
