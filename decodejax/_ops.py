@@ -345,9 +345,11 @@ def merge_states(o: jax.Array, lse: jax.Array, *, backend: str = "auto") -> tupl
 def _merge_xla(o, lse):
     """`split_state.merge_lse_along` over the slot axis as one variadic reduction: every slot is the
     triple (max m, weight sum l, weighted sum acc) = (lse_s, 1, o_s), or the identity (-inf, 0, 0)
-    when EMPTY, and two triples combine by rescaling both to the larger max. The algebra's max,
-    weight sum and weighted sum are three reductions; in this form the Mosaic path's call
-    launched 9 kernels instead of 12 at B 1 and 10 instead of 13 at B 8 (H200 traces)."""
+    when EMPTY, and two triples combine by rescaling both to the larger max. It is the XLA
+    backend's `merge_states`, for any number of slots (a decode call's few slots merge slot by
+    slot, `_merge_slot_by_slot`). The algebra's max, weight sum and weighted sum are three
+    reductions; in this form a Mosaic decode call launched 9 kernels instead of 12 at B 1 and 10
+    instead of 13 at B 8 (H200 traces, twelfth session)."""
     o32, lse32 = o.astype(jnp.float32), lse.astype(jnp.float32)
     live = (lse32 > -jnp.inf)[..., None]
     triples = (jnp.broadcast_to(lse32[..., None], o.shape), jnp.broadcast_to(live.astype(jnp.float32), o.shape),
