@@ -670,10 +670,12 @@ def test_admitted_mosaic_configs_lower_within_shared_memory(head_dim, config):
     config = default_config(head_dim) if config is None else MosaicDecodeConfig(*config)
     assert supports(16, head_dim, 4, jnp.bfloat16, config) == []
     k = jax.ShapeDtypeStruct((64, 16, 2, head_dim), jnp.bfloat16)
-    # One slot: the output tile in bf16 where it fits; two: f32 partial states, whose bounds XLA
-    # builds for a batch and the kernel finds itself for one request (fixed or adaptive, the auto plan).
+    # One slot: the output tile in bf16 where it fits; several: f32 partial states, whose bounds
+    # the kernel finds itself for a batch of at most one item a program (B 4: 16 items) and for
+    # one request (fixed or adaptive, the auto plan), and XLA builds, with their order, for a batch
+    # of more items than programs (B 16 in 8 slots: 256 items for 132).
     with decodejax.dispatch.targeting("gpu", "9.0"):
-        for batch, num_splits in ((4, 1), (4, 2), (1, 2), (1, None)):
+        for batch, num_splits in ((4, 1), (4, 2), (16, 8), (1, 2), (1, None)):
             q = jax.ShapeDtypeStruct((batch, 8, head_dim), jnp.bfloat16)
             table, lens = jax.ShapeDtypeStruct((batch, 16), jnp.int32), jax.ShapeDtypeStruct((batch,), jnp.int32)
             step = jax.jit(lambda q, k, v, t, l: decodejax.decode_attention(q, k, v, t, l, config=config, num_splits=num_splits,
