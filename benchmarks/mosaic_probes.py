@@ -20,6 +20,7 @@
     python -m benchmarks.mosaic_probes merge_step OUT.json  # the merge's slots per step: its default, or 16
     python -m benchmarks.mosaic_probes mosaic_call OUT.json  # the Mosaic call's kernels beside the Triton call's, eight cases
     python -m benchmarks.mosaic_probes mosaic_tiles OUT.json  # Mosaic tiles and plans at D 64 and 128
+    python -m benchmarks.mosaic_probes depth OUT.json     # ring depth (bytes in flight per SM), and 132 programs' quantum
 
 `layout`: are strided page copies (NHD rows are H_kv * D apart) what holds the kernel back?
 `configs`: do configs small enough for two programs per SM (80 KiB of shared memory) beat the
@@ -110,6 +111,13 @@ do they do at D 128? At B 1 and 8, does half the split target (fewer work items:
 fewer per-item waits) help, or twice it? Host clock and inside one program; a config the kernel's
 admission refuses is left out, one that fails to build is recorded with its error. PROBE_VARIANTS
 (a regular expression) narrows the Mosaic variants.
+`depth`: the Mosaic kernel moves about 30 GB/s per busy SM at every batch, as if each SM's copies
+in flight, not HBM, set its speed: its four 64-token slots are two per compute warpgroup, one
+being computed while the other lands. Do 32-token blocks in eight slots (the same 128 KiB, three
+of four slots a warpgroup in flight) or one compute warpgroup with four or five slots move more?
+And B x H_kv items of equal length on 132 programs leave SMs idle in the last round (B 32: 256
+items, 124 programs take two): is B 33 (264 items, two each) as fast as B 32, i.e. would
+balancing the last round pay? Host clock and inside one program.
 """
 
 from __future__ import annotations
@@ -255,6 +263,19 @@ def _tile_variants(k, v, case):
         variants["mgpu/target_x2"] = (mosaic, k, v, plan_patches(target_scale=2))
     wanted = os.environ.get("PROBE_VARIANTS")  # a regular expression: the variants to run (default all)
     return {name: spec for name, spec in variants.items() if not wanted or re.search(wanted, name)}
+
+
+def _depth_variants(k, v, case):
+    """The Mosaic kernel's default and, at the benchmark's batch sizes, rings with more bytes in flight
+    per SM: 32-token blocks in 8 slots, one compute warpgroup with 4 or 5 slots of 64 tokens."""
+    from pallas_kernels.decode_attention_mgpu import MosaicDecodeConfig
+
+    mosaic = dict(backend="pallas_mosaic_gpu")
+    variants = {"mgpu/auto": (mosaic, k, v, {})}
+    if case.batch in (8, 32, 128):
+        for tile in ((32, 8, 2), (32, 10, 2), (32, 6, 2), (64, 5, 1), (64, 4, 1)):
+            variants["mgpu/bk={},st={},wg={}".format(*tile)] = (dict(mosaic, config=MosaicDecodeConfig(*tile)), k, v, {})
+    return variants
 
 
 def _plan_variants(k, v):
@@ -457,7 +478,8 @@ def main(argv=None):
               "in_program": ((1, 32768), (8, 8192), (32, 4096), (128, 1024), (32, 4096, 64)),
               "triton_deal": ((1, 32768), (8, 8192), (32, 4096), (32, 4096, 64)),
               "merge_step": ((1, 2048), (8, 2048), (32, 512), (1, 32768), (8, 8192)),
-              "mosaic_call": (), "mosaic_tiles": ()}[question]
+              "mosaic_call": (), "mosaic_tiles": (),
+              "depth": ((8, 8192), (32, 4096), (33, 4096), (128, 1024), (132, 1024))}[question]
     cases = {"plans": list(bench_cases.CASES), "plan_configs": [c for c in bench_cases.CASES if c.name.startswith(
         ("B8_", "B32_", "B64_", "ragged", "d64"))], "programs": bench_cases.selected("ragged_B32_T1-16384"),
              "deal": bench_cases.selected("ragged_B32_T1-16384"),
@@ -502,6 +524,8 @@ def main(argv=None):
             variants["mgpu/auto"] = (dict(backend="pallas_mosaic_gpu"), k, v, {})
         elif question == "mosaic_tiles":
             variants.update(_tile_variants(k, v, case))
+        elif question == "depth":
+            variants.update(_depth_variants(k, v, case))
         elif question == "dispatch":
             floor = jax.jit(lambda q, k, v, table, lens: q * 2)
             out[f"{case.name}/one_op_floor"] = _dispatch_timings(floor, (q, k, v, table, lens))
@@ -619,7 +643,7 @@ def main(argv=None):
                     o = np.asarray(fn(q, k_pool, v_pool, table, lens), np.float32)
                     triton_out = o if triton_out is None else triton_out
                     stats["max_abs_diff_vs_triton"] = float(np.max(np.abs(o - triton_out)))
-                if question in ("triton_deal", "mosaic_call", "mosaic_tiles"):
+                if question in ("triton_deal", "mosaic_call", "mosaic_tiles", "depth"):
                     stats["in_program"] = summarize(time_in_program(fn, q, k_pool, v_pool, table, lens), bench_cases.kv_bytes(case))
                     stats["in_program_median_us"] = stats["in_program"]["median_us"]
                 if question == "plans":  # as inside a jitted program: no dispatch per call

@@ -176,8 +176,8 @@ def default_config(head_dim: int) -> MosaicDecodeConfig:
 def supports(page_size: int, head_dim: int, group: int, dtype, config: MosaicDecodeConfig) -> list[str]:
     """Why this kernel cannot run the shape ([] when it can)."""
     r = []
-    if config.block_k % WGMMA_ROWS:
-        r.append(f"block_k={config.block_k} is not a multiple of {WGMMA_ROWS}")
+    if config.block_k != 32 and config.block_k % WGMMA_ROWS:
+        r.append(f"block_k={config.block_k} is neither 32 nor a multiple of {WGMMA_ROWS}")
     if config.compute_warpgroups not in (1, 2, 3) or config.num_stages < 2 or config.num_stages % config.compute_warpgroups:
         r.append(f"num_stages={config.num_stages} must be >= 2 and a multiple of "
                  f"compute_warpgroups={config.compute_warpgroups} (1 to 3)")
@@ -258,6 +258,16 @@ def _load(ref, layout, *, interpret: bool, optimized: bool = True):
 
     optimized=False accepts shared-memory bank conflicts (an untiled f32 tile read once)."""
     return ref[...] if interpret else plgpu.load(ref, (), layout=layout, optimized=optimized)
+
+
+def _rows_layout(rows: int):
+    """A register layout for a [rows, D] tile of the ring: wgmma's for 64-row multiples, else the
+    same 8x8 tiles with 8 rows a warp (32 rows)."""
+    if rows % WGMMA_ROWS == 0:
+        return plgpu.Layout.WGMMA
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
+
+    return plgpu.Layout.TILED(fa.Tiling(((32, 8), (8, 8), (2,))), warp_dims=(-5,), lane_dims=(-3, -2), vector_dim=-1)
 
 
 def _row_vector(x, shape):
@@ -485,8 +495,10 @@ def _decode_body(
 
         @pl.when(t0 + block_k > end)
         def _zero_rows_past_end():
-            v = _load(v_smem.at[slot], plgpu.Layout.WGMMA, interpret=interpret)
-            rows = _positions(t0, v.shape, 0, interpret=interpret)
+            layout = _rows_layout(block_k)
+            v = _load(v_smem.at[slot], layout, interpret=interpret)
+            rows = t0 + (lax.broadcasted_iota(jnp.int32, v.shape, 0) if interpret else
+                         plgpu.broadcasted_iota(jnp.int32, v.shape, 0, layout=layout))
             v_smem[slot] = jnp.where(rows < end, v, jnp.zeros_like(v))
             plgpu.commit_smem()  # the MMA reads through the async proxy
 
@@ -693,6 +705,10 @@ def paged_decode_partials(
     q_rows, q_row_stride = _query_rows(q, H_kv)
     tiled = (plgpu.TilingTransform((TILE_ROWS, SWIZZLE_BYTES // q.dtype.itemsize)), plgpu.SwizzleTransform(SWIZZLE_BYTES))
     ring = (config.num_stages, config.block_k, D)
+    # V is the second operand of p @ V, whose reduction runs over the block's keys: the swizzle
+    # may span no more than block_k elements.
+    v_swizzle = min(SWIZZLE_BYTES, config.block_k * v_pages.dtype.itemsize)
+    v_tiled = (plgpu.TilingTransform((TILE_ROWS, v_swizzle // v_pages.dtype.itemsize)), plgpu.SwizzleTransform(v_swizzle))
     body = functools.partial(
         _decode_body, group=group, q_row_stride=q_row_stride, plan=plan, programs=programs,
         kv_heads=H_kv, num_items=num_items, page_size=P, layout=layout, block_k=config.block_k,
@@ -719,7 +735,7 @@ def paged_decode_partials(
         scratch_types=[
             plgpu.SMEM((q_buffers, WGMMA_ROWS, D), q.dtype, transforms=tiled),
             plgpu.SMEM(ring, k_pages.dtype, transforms=tiled),
-            plgpu.SMEM(ring, v_pages.dtype, transforms=tiled),
+            plgpu.SMEM(ring, v_pages.dtype, transforms=v_tiled),
             plgpu.SMEM((handoffs, WGMMA_ROWS, D), jnp.float32),
             plgpu.SMEM((config.row_vectors(), handoffs, WGMMA_ROWS), jnp.float32),
             plgpu.Barrier(num_barriers=q_buffers),
