@@ -117,7 +117,14 @@ being computed while the other lands. Do 32-token blocks in eight slots (the sam
 of four slots a warpgroup in flight) or one compute warpgroup with four or five slots move more?
 And B x H_kv items of equal length on 132 programs leave SMs idle in the last round (B 32: 256
 items, 124 programs take two): is B 33 (264 items, two each) as fast as B 32, i.e. would
-balancing the last round pay? Host clock and inside one program.
+balancing the last round pay? Host clock and inside one program. Answer at db11cf6 (results/
+probe_depth.json, in-program): no deeper ring helped. At B 32 the default took 130.5 us, 32-token
+blocks 141.9 to 143.3 (6 to 10 slots), one warpgroup 133.1 (4 slots) and 136.3 (5; its output
+no longer fits a staging tile); at B 8 and 128 the same order. So the kernel since admits only
+64-token multiples again, and this probe runs the one-warpgroup rings. B 33 took 5.1% longer
+than B 32 for 3.1% more work (the last round's 8 idle programs cost nothing: HBM-bound), while
+B 132 took 0.6% longer than B 128 for 3.1% more (the 32 programs idle in B 128's last round
+cost about 3%).
 """
 
 from __future__ import annotations
@@ -266,14 +273,15 @@ def _tile_variants(k, v, case):
 
 
 def _depth_variants(k, v, case):
-    """The Mosaic kernel's default and, at the benchmark's batch sizes, rings with more bytes in flight
-    per SM: 32-token blocks in 8 slots, one compute warpgroup with 4 or 5 slots of 64 tokens."""
+    """The Mosaic kernel's default and, at the benchmark's batch sizes, one compute warpgroup with 4 or
+    5 slots of 64 tokens (more bytes in flight per SM). db11cf6 also ran 32-token blocks in 6, 8 and 10
+    slots."""
     from pallas_kernels.decode_attention_mgpu import MosaicDecodeConfig
 
     mosaic = dict(backend="pallas_mosaic_gpu")
     variants = {"mgpu/auto": (mosaic, k, v, {})}
     if case.batch in (8, 32, 128):
-        for tile in ((32, 8, 2), (32, 10, 2), (32, 6, 2), (64, 5, 1), (64, 4, 1)):
+        for tile in ((64, 5, 1), (64, 4, 1)):
             variants["mgpu/bk={},st={},wg={}".format(*tile)] = (dict(mosaic, config=MosaicDecodeConfig(*tile)), k, v, {})
     return variants
 

@@ -48,7 +48,9 @@ do. It moves data differently:
   [start, end) or invisible to the query get probability 0. K rows at such positions may hold
   anything (the score is replaced, not multiplied), but V rows are multiplied by that 0, and
   0 * NaN is NaN: the block that holds `end` zeroes its V rows at positions >= end before the
-  MMA (page tails and the clamped duplicates of the last page live there).
+  MMA (page tails and the clamped duplicates of the last page live there). The producer reads a
+  block's page ids one block ahead (the next item's first block at an item's last), so that a
+  block's copies do not wait for the table read they depend on.
 
 Page sizes must be multiples of 8 (the shared-memory tile) and divide block_k or be divided by
 it; K/V bf16 or fp16; head dims 64, 128, 256; groups up to 8. `dispatch` admits only that.
@@ -176,8 +178,8 @@ def default_config(head_dim: int) -> MosaicDecodeConfig:
 def supports(page_size: int, head_dim: int, group: int, dtype, config: MosaicDecodeConfig) -> list[str]:
     """Why this kernel cannot run the shape ([] when it can)."""
     r = []
-    if config.block_k != 32 and config.block_k % WGMMA_ROWS:
-        r.append(f"block_k={config.block_k} is neither 32 nor a multiple of {WGMMA_ROWS}")
+    if config.block_k % WGMMA_ROWS:
+        r.append(f"block_k={config.block_k} is not a multiple of {WGMMA_ROWS}")
     if config.compute_warpgroups not in (1, 2, 3) or config.num_stages < 2 or config.num_stages % config.compute_warpgroups:
         r.append(f"num_stages={config.num_stages} must be >= 2 and a multiple of "
                  f"compute_warpgroups={config.compute_warpgroups} (1 to 3)")
@@ -258,16 +260,6 @@ def _load(ref, layout, *, interpret: bool, optimized: bool = True):
 
     optimized=False accepts shared-memory bank conflicts (an untiled f32 tile read once)."""
     return ref[...] if interpret else plgpu.load(ref, (), layout=layout, optimized=optimized)
-
-
-def _rows_layout(rows: int):
-    """A register layout for a [rows, D] tile of the ring: wgmma's for 64-row multiples, else the
-    same 8x8 tiles with 8 rows a warp (32 rows)."""
-    if rows % WGMMA_ROWS == 0:
-        return plgpu.Layout.WGMMA
-    from jax.experimental.mosaic.gpu import fragmented_array as fa
-
-    return plgpu.Layout.TILED(fa.Tiling(((32, 8), (8, 8), (2,))), warp_dims=(-5,), lane_dims=(-3, -2), vector_dim=-1)
 
 
 def _row_vector(x, shape):
@@ -433,8 +425,10 @@ def _decode_body(
         while the compute warpgroups finish the current one."""
 
         def item(k, carry):
-            g, live = carry  # stream position, live (non-EMPTY) items so far
+            g, live, pages = carry  # stream position, live (non-EMPTY) items so far, page ids of the item's first block
             b, h, _, _, end, first_block, num_blocks = work_item(k)
+            next_b, _, _, _, next_end, next_first_block, _ = work_item(jnp.minimum(k + 1, my_items - 1))
+            positions = stream_positions(num_blocks)
             buffer = lax.rem(live, q_buffers)
 
             @pl.when(written(num_blocks))
@@ -443,8 +437,15 @@ def _decode_body(
                 tile, _ = query_tile(b, h)
                 plgpu.copy_gmem_to_smem(q_ref.at[tile], q_smem.at[buffer, pl.ds(0, QUERY_ROWS)], q_barriers.at[buffer])
 
-            def block(j, g):
-                pages = block_pages(b, end, first_block, j)  # table reads under the waits below
+            def block(j, carry):
+                g, pages = carry
+                # The next position's page ids (this item's next block, or the next item's first),
+                # read now and used an iteration later, so the copies never wait for a table read
+                # (H200, in-program: D 64, eight pages a block, 78.7 -> 71.2 us; B 8 72.0 -> 70.4;
+                # bit-identical; results/ab_page_id_read_ahead.json).
+                last = j + 1 >= positions
+                next_pages = block_pages(jnp.where(last, next_b, b), jnp.where(last, next_end, end),
+                                         jnp.where(last, next_first_block, first_block), jnp.where(last, 0, j + 1))
                 slot = lax.rem(g, num_stages)
                 block_start = (first_block + j) * block_k
                 refill = g >= num_stages  # the slot held position g - num_stages: wait until it is read
@@ -453,11 +454,18 @@ def _decode_body(
                 fill(padding, pages, h, block_start, slot, k_ref, k_smem, k_barriers)
                 pl.when(refill)(lambda: plgpu.barrier_wait(v_consumed_barriers.at[slot]))
                 fill(padding, pages, h, block_start, slot, v_ref, v_smem, v_barriers)
-                return g + 1
+                return g + 1, next_pages
 
-            return lax.fori_loop(0, stream_positions(num_blocks), block, g), live + written(num_blocks).astype(jnp.int32)
+            g, pages = lax.fori_loop(0, positions, block, (g, pages))
+            # An item without positions (EMPTY) read no next ids: the next item's first are read here
+            # (a loop of at most one trip, so that a full item's carried ids wait on no read).
+            pages = lax.fori_loop(0, (positions == 0).astype(jnp.int32),
+                                  lambda _, pages: block_pages(next_b, next_end, next_first_block, 0), pages)
+            return g, live + written(num_blocks).astype(jnp.int32), pages
 
-        stream_length, live_items = lax.fori_loop(0, my_items, item, (0, 0))
+        first_b, _, _, _, first_end, first_item_block, _ = work_item(0)
+        first_pages = block_pages(first_b, first_end, first_item_block, 0)
+        stream_length, live_items, _ = lax.fori_loop(0, my_items, item, (0, 0, first_pages))
         # The compute warpgroups arrive at every slot and query buffer they are done with; the
         # last arrivals, which no refill waited for, are waited for here (the interpreter checks
         # that every phase of a barrier is observed).
@@ -495,10 +503,8 @@ def _decode_body(
 
         @pl.when(t0 + block_k > end)
         def _zero_rows_past_end():
-            layout = _rows_layout(block_k)
-            v = _load(v_smem.at[slot], layout, interpret=interpret)
-            rows = t0 + (lax.broadcasted_iota(jnp.int32, v.shape, 0) if interpret else
-                         plgpu.broadcasted_iota(jnp.int32, v.shape, 0, layout=layout))
+            v = _load(v_smem.at[slot], plgpu.Layout.WGMMA, interpret=interpret)
+            rows = _positions(t0, v.shape, 0, interpret=interpret)
             v_smem[slot] = jnp.where(rows < end, v, jnp.zeros_like(v))
             plgpu.commit_smem()  # the MMA reads through the async proxy
 
@@ -705,10 +711,6 @@ def paged_decode_partials(
     q_rows, q_row_stride = _query_rows(q, H_kv)
     tiled = (plgpu.TilingTransform((TILE_ROWS, SWIZZLE_BYTES // q.dtype.itemsize)), plgpu.SwizzleTransform(SWIZZLE_BYTES))
     ring = (config.num_stages, config.block_k, D)
-    # V is the second operand of p @ V, whose reduction runs over the block's keys: the swizzle
-    # may span no more than block_k elements.
-    v_swizzle = min(SWIZZLE_BYTES, config.block_k * v_pages.dtype.itemsize)
-    v_tiled = (plgpu.TilingTransform((TILE_ROWS, v_swizzle // v_pages.dtype.itemsize)), plgpu.SwizzleTransform(v_swizzle))
     body = functools.partial(
         _decode_body, group=group, q_row_stride=q_row_stride, plan=plan, programs=programs,
         kv_heads=H_kv, num_items=num_items, page_size=P, layout=layout, block_k=config.block_k,
@@ -735,7 +737,7 @@ def paged_decode_partials(
         scratch_types=[
             plgpu.SMEM((q_buffers, WGMMA_ROWS, D), q.dtype, transforms=tiled),
             plgpu.SMEM(ring, k_pages.dtype, transforms=tiled),
-            plgpu.SMEM(ring, v_pages.dtype, transforms=v_tiled),
+            plgpu.SMEM(ring, v_pages.dtype, transforms=tiled),
             plgpu.SMEM((handoffs, WGMMA_ROWS, D), jnp.float32),
             plgpu.SMEM((config.row_vectors(), handoffs, WGMMA_ROWS), jnp.float32),
             plgpu.Barrier(num_barriers=q_buffers),

@@ -1,0 +1,69 @@
+"""A/B of the Mosaic GPU decode kernel's body: this tree's against another version's, on the benchmark's cases.
+
+    git show <commit>:pallas_kernels/decode_attention_mgpu.py > /tmp/base_mgpu.py
+    python -m benchmarks.ab_mosaic_body /tmp/base_mgpu.py OUT.json [CASES]   # CASES: names, comma-separated
+
+The other version's `_decode_body` replaces this tree's inside the same wrapper (same plan, launch
+and merge), so only the kernel body differs. Per case, the two take turns twice, each compiled
+afresh; each run is timed inside one jitted program (`decode_attention.time_in_program`) and its
+output compared with the first run's (a change that should not alter the arithmetic shows 0).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.util
+import json
+import sys
+
+
+def load_module(path: str):
+    spec = importlib.util.spec_from_file_location("base_decode_attention_mgpu", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def main(argv=None):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import decodejax
+    from benchmarks import cases as bench_cases
+    from benchmarks.decode_attention import summarize, time_in_program
+    from benchmarks.mosaic_probes import patched
+    from pallas_kernels import decode_attention_mgpu as current
+
+    base_path, out_path, *names = argv or sys.argv[1:]
+    base = load_module(base_path)
+    with open(base_path, "rb") as f:
+        base_sha256 = hashlib.sha256(f.read()).hexdigest()
+    bodies = {"base": {(current, "_decode_body"): base._decode_body}, "this_tree": {}}
+    out = {}
+    for case in bench_cases.selected(names[0] if names else ""):
+        data = bench_cases.make_case(case)
+        q, k, v = (jnp.asarray(data[n], jnp.bfloat16) for n in ("q", "k_pages", "v_pages"))
+        table, lens = jnp.asarray(data["page_table"]), jnp.asarray(data["seq_lens"])
+        first = None
+        for turn in range(2):
+            for name, patches in bodies.items():
+                with patched(patches):
+                    jax.clear_caches()  # traced again with this body
+                    fn = jax.jit(functools.partial(decodejax.decode_attention, backend="pallas_mosaic_gpu"))
+                    o = np.asarray(fn(q, k, v, table, lens), np.float32)
+                    first = o if first is None else first
+                    stats = summarize(time_in_program(fn, q, k, v, table, lens), bench_cases.kv_bytes(case))
+                stats["max_abs_diff_vs_first_run"] = float(np.max(np.abs(o - first)))
+                out.setdefault(f"{case.name}/{name}", []).append(stats)
+                print(case.name, name, turn, f"{stats['median_us']:.1f} us {stats['tbps_median']:.2f} TB/s, "
+                      f"max |diff| {stats['max_abs_diff_vs_first_run']:.1e}", flush=True)
+        with open(out_path, "w") as f:  # after every case: a run cut short keeps what it measured
+            json.dump({"machine": jax.devices()[0].device_kind, "jax": jax.__version__, "base": base_path,
+                       "base_sha256": base_sha256, "results": out}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
