@@ -21,6 +21,7 @@
     python -m benchmarks.mosaic_probes mosaic_call OUT.json  # the Mosaic call's kernels beside the Triton call's, eight cases
     python -m benchmarks.mosaic_probes mosaic_tiles OUT.json  # Mosaic tiles and plans at D 64 and 128
     python -m benchmarks.mosaic_probes depth OUT.json     # ring depth (bytes in flight per SM), and 132 programs' quantum
+    python -m benchmarks.mosaic_probes rounds OUT.json    # fewer programs than SMs, so that every round is full
 
 `layout`: are strided page copies (NHD rows are H_kv * D apart) what holds the kernel back?
 `configs`: do configs small enough for two programs per SM (80 KiB of shared memory) beat the
@@ -125,6 +126,11 @@ no longer fits a staging tile); at B 8 and 128 the same order. So the kernel sin
 than B 32 for 3.1% more work (the last round's 8 idle programs cost nothing: HBM-bound), while
 B 132 took 0.6% longer than B 128 for 3.1% more (the 32 programs idle in B 128's last round
 cost about 3%).
+`rounds`: B 128, T 1,024 and the MHA case (1,024 equal items each) on 132 programs run 7.76 rounds,
+the last with 100 programs; B 32 and B 64 run 1.94 and 3.88. With 128 programs every round is
+full: is a call with 4 SMs idle throughout as fast as one with 32 idle in its last round (then
+the last round's SMs are not bandwidth the others take up, and balancing it would pay), and what
+do 64 and 96 programs cost? Host clock and inside one program.
 """
 
 from __future__ import annotations
@@ -487,12 +493,13 @@ def main(argv=None):
               "triton_deal": ((1, 32768), (8, 8192), (32, 4096), (32, 4096, 64)),
               "merge_step": ((1, 2048), (8, 2048), (32, 512), (1, 32768), (8, 8192)),
               "mosaic_call": (), "mosaic_tiles": (),
-              "depth": ((8, 8192), (32, 4096), (33, 4096), (128, 1024), (132, 1024))}[question]
+              "depth": ((8, 8192), (32, 4096), (33, 4096), (128, 1024), (132, 1024)), "rounds": ()}[question]
     cases = {"plans": list(bench_cases.CASES), "plan_configs": [c for c in bench_cases.CASES if c.name.startswith(
         ("B8_", "B32_", "B64_", "ragged", "d64"))], "programs": bench_cases.selected("ragged_B32_T1-16384"),
              "deal": bench_cases.selected("ragged_B32_T1-16384"),
              "triton_deal": bench_cases.selected("ragged_B32_T1-16384"), "mosaic_call": list(bench_cases.CASES),
-             "mosaic_tiles": bench_cases.selected("B1_T32768,B8_T8192,B32_T4096,d64_B32_T4096")}.get(question, [])
+             "mosaic_tiles": bench_cases.selected("B1_T32768,B8_T8192,B32_T4096,d64_B32_T4096"),
+             "rounds": bench_cases.selected("B32_T4096,B64_T2048,B128_T1024,mha_B32_T4096")}.get(question, [])
     for batch, length, *rest in shapes:
         head_dim, kv_heads = (rest + [128, 8][len(rest):])[:2]  # defaults: D 128, 8 K/V heads
         cases.append(bench_cases.Case(f"B{batch}_T{length}_D{head_dim}_Hkv{kv_heads}", batch, length, head_dim=head_dim,
@@ -534,6 +541,11 @@ def main(argv=None):
             variants.update(_tile_variants(k, v, case))
         elif question == "depth":
             variants.update(_depth_variants(k, v, case))
+        elif question == "rounds":
+            variants["mgpu/auto"] = (dict(backend="pallas_mosaic_gpu"), k, v, {})
+            for programs in (128, 96, 64):
+                config = MosaicDecodeConfig(programs=programs)
+                variants[f"mgpu/programs={programs}"] = (dict(backend="pallas_mosaic_gpu", config=config), k, v, {})
         elif question == "dispatch":
             floor = jax.jit(lambda q, k, v, table, lens: q * 2)
             out[f"{case.name}/one_op_floor"] = _dispatch_timings(floor, (q, k, v, table, lens))
@@ -651,7 +663,7 @@ def main(argv=None):
                     o = np.asarray(fn(q, k_pool, v_pool, table, lens), np.float32)
                     triton_out = o if triton_out is None else triton_out
                     stats["max_abs_diff_vs_triton"] = float(np.max(np.abs(o - triton_out)))
-                if question in ("triton_deal", "mosaic_call", "mosaic_tiles", "depth"):
+                if question in ("triton_deal", "mosaic_call", "mosaic_tiles", "depth", "rounds"):
                     stats["in_program"] = summarize(time_in_program(fn, q, k_pool, v_pool, table, lens), bench_cases.kv_bytes(case))
                     stats["in_program_median_us"] = stats["in_program"]["median_us"]
                 if question == "plans":  # as inside a jitted program: no dispatch per call

@@ -13,7 +13,7 @@ do. It moves data differently:
   per work item would leave every SM idle while each program's first copies are in flight and
   its output is written (Nsight Compute on the H200: 1 program per SM, 3.5 TB/s at B 128 against
   the Triton kernel's 2 programs per SM and 4.0 TB/s; benchmarks/results/ncu_decode.json). So
-  `programs` programs (one per SM) each take every programs-th work item, and their producer
+  `programs` programs (at most one per SM) each take every programs-th work item, and their producer
   treats the items' blocks as one stream: the next item's copies start while the current
   item's last blocks are computed and its output written. When a batch's split slots outnumber
   the programs, the items are dealt longest first (`split_order`), and EMPTY splits are skipped,
@@ -89,8 +89,9 @@ class MosaicDecodeConfig:
       num_stages: shared-memory slots of the K/V ring (blocks in flight, >= 2); a multiple of
         compute_warpgroups, so each slot always feeds the same warpgroup.
       compute_warpgroups: 1 to 3 warpgroups taking turns at the blocks (one more issues copies).
-      programs: programs launched, each walking every programs-th work item; None: one per SM
-        (one program fills an SM's shared memory), or INTERPRET_PROGRAMS in interpret mode.
+      programs: programs launched, each walking every programs-th work item; None:
+        `balanced_programs` of one per SM (one program fills an SM's shared memory), or of
+        INTERPRET_PROGRAMS in interpret mode.
     """
 
     block_k: int = 64
@@ -156,6 +157,18 @@ SHARED_MEMORY_BUDGET = 227 * 1024 - 1024
 # Programs of an interpreted call: the interpreter runs them one at a time, and two of them
 # walk several work items each in the tests' small problems.
 INTERPRET_PROGRAMS = 2
+
+
+def balanced_programs(num_items: int, capacity: int) -> int:
+    """The fewest programs, at most `capacity`, that take `num_items` work items in as many rounds as
+    `capacity` programs would: every round but the last full, the last as full as it can be.
+
+    B 32, T 4,096 has 256 equal items: 132 programs (one per H200 SM) take them in two rounds with
+    8 programs idle in the second; 128 take them in two full rounds, and on the H200 the call was
+    faster at every batch with 256, 512 or 1,024 items (in-program: B 32 129.1 -> 127.4 us, B 64
+    132.0 -> 129.7, B 128 136.0 -> 132.7, MHA 487.4 -> 482.6; results/probe_rounds_16a7f63.json)."""
+    rounds = max(1, -(-num_items // capacity))
+    return -(-num_items // rounds)
 
 
 def default_config(head_dim: int) -> MosaicDecodeConfig:
@@ -700,7 +713,8 @@ def paged_decode_partials(
         raise ValueError(f"out_dtype={out_dtype.name}: no shared memory left to stage it at head_dim={D}")
     S = plan.capacity
     num_items = B * H_kv * S
-    programs = min(num_items, config.programs or (INTERPRET_PROGRAMS if interpret else num_sms))
+    programs = (min(num_items, config.programs) if config.programs else
+                balanced_programs(num_items, INTERPRET_PROGRAMS if interpret else num_sms))
     # Bounds and order from XLA only where the longest-first deal needs them: a batch's slots
     # outnumbering the programs (on the H200 the bounds, the batch's total, the argsort and its
     # key were four kernels of their own before the launch: 4 of 6 launches at B 1, 4.8 us of GPU

@@ -610,6 +610,19 @@ def test_mosaic_configs_must_fit_shared_memory():
     assert supports(16, 128, 4, jnp.bfloat16, MosaicDecodeConfig(programs=0)) == ["programs=0 must be >= 1 (or None: one per SM)"]
 
 
+def test_mosaic_programs_are_the_fewest_that_keep_the_rounds():
+    """Each H200 case's program count; then, for every item count up to 4 rounds of 132: the count
+    takes the items in the rounds 132 programs would, and one program fewer would need another."""
+    from pallas_kernels.decode_attention_mgpu import balanced_programs
+
+    assert [balanced_programs(n, 132) for n in (1, 128, 132, 133, 256, 264, 512, 1024)] == [1, 128, 132, 67, 128, 132, 128, 128]
+    ceil = lambda a, b: -(-a // b)
+    for n in range(1, 4 * 132 + 1):
+        programs = balanced_programs(n, 132)
+        assert programs <= 132 and ceil(n, programs) == ceil(n, 132), n
+        assert programs == 1 or ceil(n, programs - 1) > ceil(n, 132), n
+
+
 def test_triton_programs_take_every_item_once_longest_split_first():
     """deal_longest_first maps the (B, H_kv, S) grid onto itself one to one; in launch order the
     programs take the request with the longest first split first, the requests of one key
