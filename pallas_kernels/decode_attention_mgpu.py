@@ -351,6 +351,13 @@ def _decode_body(
     rounds, last_round = divmod(num_items, programs)
     my_items = rounds + jnp.where(rounds % 2 == 0, program < last_round, program >= programs - last_round).astype(jnp.int32)
 
+    # `plan.total_blocks` of the batch where the kernel finds adaptive bounds itself (else None):
+    # the lengths summed once, as scalars. The wrapper leaves the bounds to the kernel only where
+    # that is cheap: one request, or a batch with at most one item a program.
+    finds_adaptive_bounds = start_ref is None and not plan.whole_requests and plan.adapts_to_batch
+    batch_blocks = (sum(plan.total_blocks(jnp, seq_lens_ref[i]) for i in range(seq_lens_ref.shape[0]))
+                    if finds_adaptive_bounds else None)
+
     def work_item(k):
         """This program's k-th work item: (request b, K/V head h, split slot s) and the split's key
         range [start, end), its first block and block count (0: an EMPTY split, skipped).
@@ -371,16 +378,7 @@ def _decode_body(
         seq_len = seq_lens_ref[b]
         if plan.whole_requests:  # one slot: the whole request
             return 0, seq_len
-        return plan.slot_bounds(jnp, seq_len, s, batch_blocks())
-
-    def batch_blocks():
-        """`plan.total_blocks` of the batch (None unless the plan adapts to it): the lengths summed
-        here, as scalars. The wrapper leaves the bounds to the kernel only where that is cheap:
-        one request, or a batch with at most one item a program (B <= programs / (H_kv * S))."""
-        batch = seq_lens_ref.shape[0]
-        if not plan.adapts_to_batch:
-            return None
-        return sum(plan.total_blocks(jnp, seq_lens_ref[i]) for i in range(batch))
+        return plan.slot_bounds(jnp, seq_len, s, batch_blocks)
 
     def stream_positions(num_blocks):
         """Positions an item takes in its program's block stream: its blocks, rounded up to a
