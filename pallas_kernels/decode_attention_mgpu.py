@@ -164,9 +164,11 @@ def balanced_programs(num_items: int, capacity: int) -> int:
     `capacity` programs would: every round but the last full, the last as full as it can be.
 
     B 32, T 4,096 has 256 equal items: 132 programs (one per H200 SM) take them in two rounds with
-    8 programs idle in the second; 128 take them in two full rounds, and on the H200 the call was
-    faster at every batch with 256, 512 or 1,024 items (in-program: B 32 129.1 -> 127.4 us, B 64
-    132.0 -> 129.7, B 128 136.0 -> 132.7, MHA 487.4 -> 482.6; results/probe_rounds_16a7f63.json)."""
+    8 programs idle in the second; 128 take them in two full rounds. On the H200, in one process,
+    128 programs were faster at every case with 256, 512 or 1,024 items (in-program: B 32 129.1 ->
+    127.4 us, B 64 132.0 -> 129.7, B 128 136.0 -> 132.7, MHA 487.4 -> 482.6; results/
+    probe_rounds_16a7f63.json); a side-by-side run on another machine start did not show the gain
+    against the Triton kernel (results/decode_attention_b64_b128_6b81c05.json)."""
     rounds = max(1, -(-num_items // capacity))
     return -(-num_items // rounds)
 
@@ -197,7 +199,7 @@ def supports(page_size: int, head_dim: int, group: int, dtype, config: MosaicDec
         r.append(f"num_stages={config.num_stages} must be >= 2 and a multiple of "
                  f"compute_warpgroups={config.compute_warpgroups} (1 to 3)")
     if config.programs is not None and config.programs < 1:
-        r.append(f"programs={config.programs} must be >= 1 (or None: one per SM)")
+        r.append(f"programs={config.programs} must be >= 1 (or None: at most one per SM)")
     if page_size <= 0 or page_size % TILE_ROWS:
         r.append(f"page_size={page_size} is not a positive multiple of {TILE_ROWS}")
     elif config.block_k % page_size and page_size % config.block_k:

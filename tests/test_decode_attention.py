@@ -607,7 +607,7 @@ def test_mosaic_configs_must_fit_shared_memory():
         assert supports(16, d, 4, jnp.bfloat16, default_config(d)) == []
     too_big = supports(16, 128, 4, jnp.bfloat16, MosaicDecodeConfig(block_k=128, num_stages=4, compute_warpgroups=2))
     assert len(too_big) == 1 and "bytes of shared memory" in too_big[0]
-    assert supports(16, 128, 4, jnp.bfloat16, MosaicDecodeConfig(programs=0)) == ["programs=0 must be >= 1 (or None: one per SM)"]
+    assert supports(16, 128, 4, jnp.bfloat16, MosaicDecodeConfig(programs=0)) == ["programs=0 must be >= 1 (or None: at most one per SM)"]
 
 
 def test_mosaic_programs_are_the_fewest_that_keep_the_rounds():
