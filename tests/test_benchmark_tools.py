@@ -147,6 +147,37 @@ def test_bottleneck_probe_patches_lower_for_cuda():
     jax.clear_caches()
 
 
+def test_ab_mosaic_body_traces_the_other_versions_body():
+    """benchmarks.ab_mosaic_body: a kernel file loaded as its own module (its dataclasses included)
+    lends its `_decode_body` to this tree's wrapper, and that body is the one traced and lowered."""
+    import jax
+    import jax.numpy as jnp
+
+    import decodejax
+    from benchmarks.ab_mosaic_body import load_module
+    from benchmarks.mosaic_probes import patched
+    from pallas_kernels import decode_attention_mgpu as current
+
+    base = load_module(current.__file__)
+    assert base is not current and base.MosaicDecodeConfig is not current.MosaicDecodeConfig
+    traced = []
+
+    def base_body(*args, **kwargs):
+        traced.append(kwargs["programs"])
+        return base._decode_body(*args, **kwargs)
+
+    q = jax.ShapeDtypeStruct((4, 8, 128), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((64, 16, 2, 128), jnp.bfloat16)
+    table, lens = jax.ShapeDtypeStruct((4, 16), jnp.int32), jax.ShapeDtypeStruct((4,), jnp.int32)
+    with patched({(current, "_decode_body"): base_body}), decodejax.dispatch.targeting("gpu", "9.0"):
+        jax.clear_caches()  # traced again with the patch
+        step = jax.jit(lambda q, k, v, t, l: decodejax.decode_attention(q, k, v, t, l, num_splits=1,
+                                                                       backend="pallas_mosaic_gpu"))
+        assert "decodejax_paged_decode_mgpu" in step.trace(q, k, k, table, lens).lower(lowering_platforms=("cuda",)).as_text()
+    jax.clear_caches()
+    assert traced == [8]  # B 4 x H_kv 2 items in one slot: 8 programs
+
+
 def test_deal_probe_deals_in_index_order_and_leaves_every_output_as_it_was():
     """mosaic_probes `deal`: the patched order is what the Mosaic kernel is traced with (interpret
     mode here), it differs from longest first on this batch, and an item's state does not depend
