@@ -438,9 +438,12 @@ def _decode_body(
         while the compute warpgroups finish the current one."""
 
         def item(k, carry):
-            g, live, pages = carry  # stream position, live (non-EMPTY) items so far, page ids of the item's first block
-            b, h, _, _, end, first_block, num_blocks = work_item(k)
-            next_b, _, _, _, next_end, next_first_block, _ = work_item(jnp.minimum(k + 1, my_items - 1))
+            # stream position, live (non-EMPTY) items so far, this item (`work_item(k)`, found by
+            # the item before) and the page ids of its first block
+            g, live, current, pages = carry
+            b, h, _, _, end, first_block, num_blocks = current
+            following = work_item(jnp.minimum(k + 1, my_items - 1))
+            next_b, _, _, _, next_end, next_first_block, _ = following
             positions = stream_positions(num_blocks)
             buffer = lax.rem(live, q_buffers)
 
@@ -474,11 +477,12 @@ def _decode_body(
             # (a loop of at most one trip, so that a full item's carried ids wait on no read).
             pages = lax.fori_loop(0, (positions == 0).astype(jnp.int32),
                                   lambda _, pages: block_pages(next_b, next_end, next_first_block, 0), pages)
-            return g, live + written(num_blocks).astype(jnp.int32), pages
+            return g, live + written(num_blocks).astype(jnp.int32), following, pages
 
-        first_b, _, _, _, first_end, first_item_block, _ = work_item(0)
+        first = work_item(0)
+        first_b, _, _, _, first_end, first_item_block, _ = first
         first_pages = block_pages(first_b, first_end, first_item_block, 0)
-        stream_length, live_items, _ = lax.fori_loop(0, my_items, item, (0, 0, first_pages))
+        stream_length, live_items, _, _ = lax.fori_loop(0, my_items, item, (0, 0, first, first_pages))
         # The compute warpgroups arrive at every slot and query buffer they are done with; the
         # last arrivals, which no refill waited for, are waited for here (the interpreter checks
         # that every phase of a barrier is observed).
