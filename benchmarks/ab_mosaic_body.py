@@ -2,11 +2,9 @@
 
     git show <commit>:pallas_kernels/decode_attention_mgpu.py > /tmp/base_mgpu.py
     python -m benchmarks.ab_mosaic_body /tmp/base_mgpu.py OUT.json [CASES]   # CASES: names, comma-separated
-    python -m benchmarks.ab_mosaic_body STATE_ROW_PAD=0 OUT.json [CASES]
 
 The other version's `_decode_body` replaces this tree's inside the same wrapper (same plan, launch
-and merge), so only the kernel body differs. A base NAME=INT is instead this tree with the kernel
-module's integer constant NAME set to INT (a change the wrapper shares with the body). Per case, the two take turns twice, each compiled
+and merge), so only the kernel body differs. Per case, the two take turns twice, each compiled
 afresh; each run is timed inside one jitted program (`decode_attention.time_in_program`) and its
 output compared with the first run's (a change that should not alter the arithmetic shows 0).
 """
@@ -28,17 +26,6 @@ def load_module(path: str):
     return module
 
 
-def base_patches(base: str, current) -> dict:
-    """{(module, name): replacement} that make `current` (the kernel module) the base: another
-    version's body from a file path, or NAME=INT, one of the module's integer constants set."""
-    if "=" not in base:
-        return {(current, "_decode_body"): load_module(base)._decode_body}
-    name, value = base.split("=", 1)
-    if not isinstance(getattr(current, name, None), int):
-        raise ValueError(f"base={base!r}: {name} is not an integer constant of {current.__name__}")
-    return {(current, name): int(value)}
-
-
 def main(argv=None):
     import jax
     import jax.numpy as jnp
@@ -51,11 +38,10 @@ def main(argv=None):
     from pallas_kernels import decode_attention_mgpu as current
 
     base_path, out_path, *names = argv or sys.argv[1:]
-    bodies = {"base": base_patches(base_path, current), "this_tree": {}}
-    base_sha256 = None
-    if "=" not in base_path:
-        with open(base_path, "rb") as f:
-            base_sha256 = hashlib.sha256(f.read()).hexdigest()
+    base = load_module(base_path)
+    with open(base_path, "rb") as f:
+        base_sha256 = hashlib.sha256(f.read()).hexdigest()
+    bodies = {"base": {(current, "_decode_body"): base._decode_body}, "this_tree": {}}
     out = {}
     for case in bench_cases.selected(names[0] if names else ""):
         data = bench_cases.make_case(case)

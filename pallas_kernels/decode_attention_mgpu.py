@@ -143,13 +143,9 @@ class MosaicDecodeConfig:
 
     def staged_output_fits(self, head_dim: int, itemsize: int, out_itemsize: int) -> bool:
         """Whether an 8-row staging tile of the output (out_itemsize bytes an element) fits beside the
-        rest, with the state tiles' rows padded (`STATE_ROW_PAD`): then the kernel writes each item's
-        G rows to their heads' rows of o, in the output's dtype; else (D 256) whole 8-row query tiles
-        (copied by TMA out of unpadded state tiles), from which the wrapper takes each item's rows."""
-        handoffs = max(1, self.compute_warpgroups - 1)
-        padding = handoffs * WGMMA_ROWS * STATE_ROW_PAD * 4
-        staging = QUERY_ROWS * head_dim * out_itemsize
-        return self.shared_memory_bytes(head_dim, itemsize) + padding + staging <= SHARED_MEMORY_BUDGET
+        rest: then the kernel writes each item's G rows to their heads' rows of o, in the output's
+        dtype; else (D 256) whole 8-row query tiles, from which the wrapper takes each item's rows."""
+        return self.shared_memory_bytes(head_dim, itemsize) + QUERY_ROWS * head_dim * out_itemsize <= SHARED_MEMORY_BUDGET
 
 
 # Shared memory a block may use on the H100/H200 (227 KiB = 232,448 bytes), less what Mosaic GPU
@@ -158,12 +154,6 @@ class MosaicDecodeConfig:
 # barriers fit in the last KiB). The lowering checks the sum
 # (test_admitted_mosaic_configs_lower_within_shared_memory).
 SHARED_MEMORY_BUDGET = 227 * 1024 - 1024
-# f32 elements that pad each row of a state tile (o_smem) where the output is staged. A warp's
-# WGMMA-layout store or load of f32 touches 8 rows, 32 bytes each; rows of D floats (a multiple of
-# 128 bytes) put all 8 on the same banks, 8 transfers where 2 would do. 8 more floats (32 bytes)
-# a row spread them over all 32 banks. The hand-over of the other warpgroups' states and the
-# output's store go through these tiles once an item.
-STATE_ROW_PAD = 8
 # Programs of an interpreted call: the interpreter runs them one at a time, and two of them
 # walk several work items each in the tests' small problems.
 INTERPRET_PROGRAMS = 2
@@ -328,7 +318,7 @@ def _decode_body(
     q_smem,  # [q_buffers, 64, D]: the query rows of the current (and next) work item
     k_smem,  # [num_stages, block_k, D]: the K/V ring
     v_smem,
-    o_smem,  # f32[max(1, W - 1), 64, D (+ STATE_ROW_PAD where staged)]: the other warpgroups' states; [0] then the output tile
+    o_smem,  # f32[max(1, W - 1), 64, D]: the other warpgroups' states; [0] then holds the output tile
     ml_smem,  # f32[2, W - 1, 64]: their m and l, or f32[1, 1, 64] for W = 1; [0, 0] then holds the output's lse
     q_barriers,  # one per q buffer: its copy has landed
     q_free_barriers,  # one per q buffer: every compute warpgroup is done with it
@@ -539,10 +529,6 @@ def _decode_body(
         plgpu.barrier_arrive(v_consumed_barriers.at[slot])
         return acc, m_new, l
 
-    def state_tile(i):
-        """o_smem[i] without its rows' padding: [64, D] f32."""
-        return o_smem.at[i, :, pl.ds(0, d)]
-
     def write_output(acc, m, l, b, h, s):
         """The split's normalized state through o_smem[0] and ml_smem[0, 0]; returns once the copies
         have read them. The lse goes out as the item's query tile's 8 rows (a copy from a 4-byte
@@ -555,14 +541,14 @@ def _decode_body(
         valid = l > 0
         safe_l = jnp.where(valid, l, 1.0)
         lse_smem = ml_smem.at[0, 0]
-        state_tile(0)[...] = jnp.where(_row_vector(valid, acc.shape), acc / _row_vector(safe_l, acc.shape), 0.0)
+        o_smem[0] = jnp.where(_row_vector(valid, acc.shape), acc / _row_vector(safe_l, acc.shape), 0.0)
         lse_smem[...] = jnp.where(valid, (m + jnp.log2(safe_l)) / LOG2_E, -jnp.inf)
         plgpu.commit_smem()  # (also a warpgroup barrier: every thread's rows are in before they are read back)
         if stage_smem is None:
-            plgpu.copy_smem_to_gmem(state_tile(0).at[pl.ds(0, QUERY_ROWS)], o_ref.at[b, h, s])
+            plgpu.copy_smem_to_gmem(o_smem.at[0, pl.ds(0, QUERY_ROWS)], o_ref.at[b, h, s])
         else:
             strided = plgpu.Layout.WG_STRIDED((QUERY_ROWS, d), vec_size=4)
-            tile = _load(state_tile(0).at[pl.ds(0, QUERY_ROWS)], strided, interpret=interpret, optimized=False)
+            tile = _load(o_smem.at[0, pl.ds(0, QUERY_ROWS)], strided, interpret=interpret, optimized=False)
             stage_smem[...] = tile.astype(stage_smem.dtype)
             plgpu.commit_smem()
             _, offset = query_tile(b, h)
@@ -621,7 +607,7 @@ def _decode_body(
                 @pl.when(wg > 0)
                 def _hand_over():
                     pl.when(live > 0)(lambda: plgpu.barrier_wait(handoff_free_barrier))  # o_smem[0] held the last output
-                    state_tile(wg - 1)[...] = acc
+                    o_smem[wg - 1] = acc
                     ml_smem[0, wg - 1] = m
                     ml_smem[1, wg - 1] = l
                     plgpu.barrier_arrive(handoff_barrier)
@@ -632,7 +618,7 @@ def _decode_body(
                     state = (acc, m, l)
                     for other in range(compute_wgs - 1):  # in warpgroup order: the same sums every run
                         state = _merge_states(*state,
-                                              _load(state_tile(other), plgpu.Layout.WGMMA, interpret=interpret, optimized=False),
+                                              _load(o_smem.at[other], plgpu.Layout.WGMMA, interpret=interpret, optimized=False),
                                               _load(ml_smem.at[0, other], reduced, interpret=interpret, optimized=False),
                                               _load(ml_smem.at[1, other], reduced, interpret=interpret, optimized=False))
                     write_output(*state, b, h, s)
@@ -770,7 +756,7 @@ def paged_decode_partials(
             plgpu.SMEM((q_buffers, WGMMA_ROWS, D), q.dtype, transforms=tiled),
             plgpu.SMEM(ring, k_pages.dtype, transforms=tiled),
             plgpu.SMEM(ring, v_pages.dtype, transforms=tiled),
-            plgpu.SMEM((handoffs, WGMMA_ROWS, D + (STATE_ROW_PAD if staged else 0)), jnp.float32),
+            plgpu.SMEM((handoffs, WGMMA_ROWS, D), jnp.float32),
             plgpu.SMEM((config.row_vectors(), handoffs, WGMMA_ROWS), jnp.float32),
             plgpu.Barrier(num_barriers=q_buffers),
             plgpu.Barrier(num_arrivals=config.compute_warpgroups, num_barriers=q_buffers),

@@ -178,20 +178,6 @@ def test_ab_mosaic_body_traces_the_other_versions_body():
     assert traced == [8]  # B 4 x H_kv 2 items in one slot: 8 programs
 
 
-def test_ab_mosaic_body_base_constant_sets_the_kernel_modules_integer():
-    """benchmarks.ab_mosaic_body with a base NAME=INT: the patch sets that constant of the kernel
-    module (which the wrapper reads at trace time), and a name that is no integer constant is refused."""
-    import pytest
-
-    from benchmarks.ab_mosaic_body import base_patches
-    from pallas_kernels import decode_attention_mgpu as current
-
-    assert base_patches("STATE_ROW_PAD=0", current) == {(current, "STATE_ROW_PAD"): 0}
-    for bad in ("NO_SUCH_CONSTANT=1", "default_config=1"):
-        with pytest.raises(ValueError, match="not an integer constant"):
-            base_patches(bad, current)
-
-
 def test_deal_probe_deals_in_index_order_and_leaves_every_output_as_it_was():
     """mosaic_probes `deal`: the patched order is what the Mosaic kernel is traced with (interpret
     mode here), it differs from longest first on this batch, and an item's state does not depend
