@@ -99,12 +99,15 @@ class MosaicDecodeConfig:
     compute_warpgroups: int = 2
     programs: int | None = None
 
-    def _bytes(self, head_dim: int, itemsize: int, q_buffers: int) -> int:
+    def _bytes(self, head_dim: int, itemsize: int, q_buffers: int, out_itemsize: int | None = None) -> int:
+        """Shared memory of the kernel; out_itemsize: with the staged output's tiles in that many
+        bytes an element (`staged_output_fits`)."""
         q = q_buffers * WGMMA_ROWS * head_dim * itemsize
         ring = 2 * self.num_stages * self.block_k * head_dim * itemsize
         handoffs = max(1, self.compute_warpgroups - 1)
         states = handoffs * WGMMA_ROWS * head_dim * 4 + self.row_vectors() * handoffs * WGMMA_ROWS * 4
-        return q + ring + states
+        output = (WGMMA_ROWS + QUERY_ROWS) * head_dim * out_itemsize if out_itemsize else 0
+        return q + ring + states + output
 
     @property
     def split_align(self) -> int:
@@ -133,19 +136,22 @@ class MosaicDecodeConfig:
         with one compute warpgroup only the lse."""
         return 2 if self.compute_warpgroups > 1 else 1
 
-    def q_buffers(self, head_dim: int, itemsize: int) -> int:
-        """Two query tiles (the next item's lands during the current one) when they fit, else one."""
-        return 2 if self._bytes(head_dim, itemsize, 2) <= SHARED_MEMORY_BUDGET else 1
+    def q_buffers(self, head_dim: int, itemsize: int, out_itemsize: int | None = None) -> int:
+        """Two query tiles (the next item's lands during the current one) when they fit, else one
+        (out_itemsize: beside a staged output's tiles)."""
+        return 2 if self._bytes(head_dim, itemsize, 2, out_itemsize) <= SHARED_MEMORY_BUDGET else 1
 
     def shared_memory_bytes(self, head_dim: int, itemsize: int) -> int:
         """The query tiles, the K/V ring, and the states handed to warpgroup 0 (its output's tile)."""
         return self._bytes(head_dim, itemsize, self.q_buffers(head_dim, itemsize))
 
     def staged_output_fits(self, head_dim: int, itemsize: int, out_itemsize: int) -> bool:
-        """Whether an 8-row staging tile of the output (out_itemsize bytes an element) fits beside the
-        rest: then the kernel writes each item's G rows to their heads' rows of o, in the output's
-        dtype; else (D 256) whole 8-row query tiles, from which the wrapper takes each item's rows."""
-        return self.shared_memory_bytes(head_dim, itemsize) + QUERY_ROWS * head_dim * out_itemsize <= SHARED_MEMORY_BUDGET
+        """Whether the output's own tiles (out_itemsize bytes an element) fit beside one query tile
+        and the rest: a 64-row tile the output is stored to and an 8-row one its query tile's rows
+        pass through. Then the kernel writes each item's G rows to their heads' rows of o, in the
+        output's dtype; else (D 256) whole 8-row query tiles in f32 out of the state tile, from
+        which the wrapper takes each item's rows."""
+        return self._bytes(head_dim, itemsize, 1, out_itemsize) <= SHARED_MEMORY_BUDGET
 
 
 # Shared memory a block may use on the H100/H200 (227 KiB = 232,448 bytes), less what Mosaic GPU
@@ -318,7 +324,8 @@ def _decode_body(
     q_smem,  # [q_buffers, 64, D]: the query rows of the current (and next) work item
     k_smem,  # [num_stages, block_k, D]: the K/V ring
     v_smem,
-    o_smem,  # f32[max(1, W - 1), 64, D]: the other warpgroups' states; [0] then holds the output tile
+    state_smem,  # f32[max(1, W - 1), 64, D], tiled and swizzled: the other warpgroups' states; [0] then the
+    # output tile where there is no out_smem
     ml_smem,  # f32[2, W - 1, 64]: their m and l, or f32[1, 1, 64] for W = 1; [0, 0] then holds the output's lse
     q_barriers,  # one per q buffer: its copy has landed
     q_free_barriers,  # one per q buffer: every compute warpgroup is done with it
@@ -327,8 +334,9 @@ def _decode_body(
     k_consumed_barriers,  # one per slot: its K (V) has been read by the MMAs
     v_consumed_barriers,
     handoff_barrier,  # the other compute warpgroups' states are in shared memory
-    handoff_free_barrier,  # warpgroup 0 has read them and the output copy has left o_smem
-    stage_smem,  # [QUERY_ROWS, D] in o_ref's dtype: the item's query tile's rows on their way out; or None
+    handoff_free_barrier,  # warpgroup 0 has read them and the output copies have left shared memory
+    out_smem,  # [64, D] in o_ref's dtype: the output tile; or None (then so is stage_smem)
+    stage_smem,  # [QUERY_ROWS, D] in o_ref's dtype: the item's query tile's rows on their way out
     *,
     group: int,
     q_row_stride: int,
@@ -530,26 +538,28 @@ def _decode_body(
         return acc, m_new, l
 
     def write_output(acc, m, l, b, h, s):
-        """The split's normalized state through o_smem[0] and ml_smem[0, 0]; returns once the copies
-        have read them. The lse goes out as the item's query tile's 8 rows (a copy from a 4-byte
-        offset would break TMA's 16-byte alignment), and so does o without stage_smem. With it,
-        the tile's rows pass through stage_smem (converted to o_ref's dtype) and the item's G rows
-        go to their heads' rows of o_ref: Mosaic GPU tiles o_smem in 8 rows for the WGMMA-layout
-        store, and a copy of G < 8 rows out of it does not lower (jax 0.11.2). (The lse has a
-        buffer of its own: in jax 0.11.2 a 1-D copy out of a slice of o_smem makes layout
-        inference fail on o_smem's 2-D stores.)"""
+        """The split's normalized state through shared memory (its lse through ml_smem[0, 0]); returns
+        once the copies have read it. The lse goes out as the item's query tile's 8 rows (a copy
+        from a 4-byte offset would break TMA's 16-byte alignment). Without out_smem, so does o, in
+        f32 out of state_smem[0]. With it, o is stored in o_ref's dtype to out_smem, its query
+        tile's rows pass through stage_smem, and the item's G rows go to their heads' rows of o_ref:
+        Mosaic GPU tiles a 64-row tile in 8 rows for the WGMMA-layout store, and a copy of G < 8
+        rows out of it does not lower (jax 0.11.2). (The lse has a buffer of its own: in jax 0.11.2
+        a 1-D copy out of a slice of a 2-D tile makes layout inference fail on the tile's stores.)"""
         valid = l > 0
         safe_l = jnp.where(valid, l, 1.0)
         lse_smem = ml_smem.at[0, 0]
-        o_smem[0] = jnp.where(_row_vector(valid, acc.shape), acc / _row_vector(safe_l, acc.shape), 0.0)
+        o = jnp.where(_row_vector(valid, acc.shape), acc / _row_vector(safe_l, acc.shape), 0.0)
         lse_smem[...] = jnp.where(valid, (m + jnp.log2(safe_l)) / LOG2_E, -jnp.inf)
-        plgpu.commit_smem()  # (also a warpgroup barrier: every thread's rows are in before they are read back)
-        if stage_smem is None:
-            plgpu.copy_smem_to_gmem(o_smem.at[0, pl.ds(0, QUERY_ROWS)], o_ref.at[b, h, s])
+        if out_smem is None:
+            state_smem[0] = o
+            plgpu.commit_smem()  # (also a warpgroup barrier: every thread's rows are in before they are read back)
+            plgpu.copy_smem_to_gmem(state_smem.at[0, pl.ds(0, QUERY_ROWS)], o_ref.at[b, h, s])
         else:
+            out_smem[...] = o.astype(out_smem.dtype)
+            plgpu.commit_smem()
             strided = plgpu.Layout.WG_STRIDED((QUERY_ROWS, d), vec_size=4)
-            tile = _load(o_smem.at[0, pl.ds(0, QUERY_ROWS)], strided, interpret=interpret, optimized=False)
-            stage_smem[...] = tile.astype(stage_smem.dtype)
+            stage_smem[...] = _load(out_smem.at[pl.ds(0, QUERY_ROWS)], strided, interpret=interpret, optimized=False)
             plgpu.commit_smem()
             _, offset = query_tile(b, h)
             for first in range(0, QUERY_ROWS - group + 1, group):  # static slices: a dynamic row offset does not lower
@@ -606,8 +616,8 @@ def _decode_body(
 
                 @pl.when(wg > 0)
                 def _hand_over():
-                    pl.when(live > 0)(lambda: plgpu.barrier_wait(handoff_free_barrier))  # o_smem[0] held the last output
-                    o_smem[wg - 1] = acc
+                    pl.when(live > 0)(lambda: plgpu.barrier_wait(handoff_free_barrier))  # the last output has left
+                    state_smem[wg - 1] = acc
                     ml_smem[0, wg - 1] = m
                     ml_smem[1, wg - 1] = l
                     plgpu.barrier_arrive(handoff_barrier)
@@ -618,7 +628,7 @@ def _decode_body(
                     state = (acc, m, l)
                     for other in range(compute_wgs - 1):  # in warpgroup order: the same sums every run
                         state = _merge_states(*state,
-                                              _load(o_smem.at[other], plgpu.Layout.WGMMA, interpret=interpret, optimized=False),
+                                              _load(state_smem.at[other], plgpu.Layout.WGMMA, interpret=interpret),
                                               _load(ml_smem.at[0, other], reduced, interpret=interpret, optimized=False),
                                               _load(ml_smem.at[1, other], reduced, interpret=interpret, optimized=False))
                     write_output(*state, b, h, s)
@@ -727,7 +737,8 @@ def paged_decode_partials(
     split_start, split_end = plan.bounds(seq_lens) if dealt else (None, None)
     order = split_order(split_start, split_end, config.block_k) if dealt else None
     q_rows, q_row_stride = _query_rows(q, H_kv)
-    tiled = (plgpu.TilingTransform((TILE_ROWS, SWIZZLE_BYTES // q.dtype.itemsize)), plgpu.SwizzleTransform(SWIZZLE_BYTES))
+    tiled = lambda dtype: (plgpu.TilingTransform((TILE_ROWS, SWIZZLE_BYTES // jnp.dtype(dtype).itemsize)),
+                           plgpu.SwizzleTransform(SWIZZLE_BYTES))
     ring = (config.num_stages, config.block_k, D)
     body = functools.partial(
         _decode_body, group=group, q_row_stride=q_row_stride, plan=plan, programs=programs,
@@ -736,7 +747,7 @@ def paged_decode_partials(
         mask=mask, interpret=interpret,
     )
     if not staged:
-        body = functools.partial(body, stage_smem=None)
+        body = functools.partial(body, out_smem=None, stage_smem=None)
     inputs = (q_rows, k_pages, v_pages, page_table, seq_lens, cache_batch_idx, split_start, split_end, order)
     extra = {}
     if interpret:
@@ -745,7 +756,7 @@ def paged_decode_partials(
         extra["interpret"] = InterpretGPUParams(detect_races=True, out_of_bounds_reads="raise")
     copies_per_block = max(1, config.block_k // P)
     handoffs = max(1, config.compute_warpgroups - 1)  # the output goes through the first
-    q_buffers = config.q_buffers(D, q.dtype.itemsize)
+    q_buffers = config.q_buffers(D, q.dtype.itemsize, out_dtype.itemsize if staged else None)
     kernel = plgpu.kernel(
         _without_absent_inputs(body, inputs),
         out_type=(
@@ -753,10 +764,12 @@ def paged_decode_partials(
             jax.ShapeDtypeStruct((B, H_kv, S, QUERY_ROWS), jnp.float32),
         ),
         scratch_types=[
-            plgpu.SMEM((q_buffers, WGMMA_ROWS, D), q.dtype, transforms=tiled),
-            plgpu.SMEM(ring, k_pages.dtype, transforms=tiled),
-            plgpu.SMEM(ring, v_pages.dtype, transforms=tiled),
-            plgpu.SMEM((handoffs, WGMMA_ROWS, D), jnp.float32),
+            plgpu.SMEM((q_buffers, WGMMA_ROWS, D), q.dtype, transforms=tiled(q.dtype)),
+            plgpu.SMEM(ring, k_pages.dtype, transforms=tiled(k_pages.dtype)),
+            plgpu.SMEM(ring, v_pages.dtype, transforms=tiled(v_pages.dtype)),
+            # Tiled and swizzled, unlike the output's tile: a warp's WGMMA-layout access of f32 to
+            # an untiled tile of D floats a row puts its 8 rows on the same 8 banks.
+            plgpu.SMEM((handoffs, WGMMA_ROWS, D), jnp.float32, transforms=tiled(jnp.float32)),
             plgpu.SMEM((config.row_vectors(), handoffs, WGMMA_ROWS), jnp.float32),
             plgpu.Barrier(num_barriers=q_buffers),
             plgpu.Barrier(num_arrivals=config.compute_warpgroups, num_barriers=q_buffers),
@@ -766,7 +779,7 @@ def paged_decode_partials(
             plgpu.Barrier(num_barriers=config.num_stages),
             plgpu.Barrier(num_arrivals=handoffs),
             plgpu.Barrier(),
-        ] + ([plgpu.SMEM((QUERY_ROWS, D), out_dtype)] if staged else []),
+        ] + ([plgpu.SMEM((WGMMA_ROWS, D), out_dtype), plgpu.SMEM((QUERY_ROWS, D), out_dtype)] if staged else []),
         compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=0),  # SHARED_MEMORY_BUDGET counts none
         grid=(programs,),
         grid_names=("program",),
