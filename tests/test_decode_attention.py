@@ -610,6 +610,21 @@ def test_mosaic_configs_must_fit_shared_memory():
     assert supports(16, 128, 4, jnp.bfloat16, MosaicDecodeConfig(programs=0)) == ["programs=0 must be >= 1 (or None: at most one per SM)"]
 
 
+def test_mosaic_staged_output_takes_its_tiles_from_the_query_buffers_before_going_unstaged():
+    """The staged output's tiles (64 rows and 8, in its dtype) fit beside two query tiles at D 128 in
+    bf16, beside one in f32 (the partial states of several slots), and not at D 256, whose output
+    goes out unstaged through the state tile; admission counts the unstaged kernel."""
+    from pallas_kernels.decode_attention_mgpu import SHARED_MEMORY_BUDGET, default_config
+
+    d128, d256 = default_config(128), default_config(256)
+    assert d128.staged_output_fits(128, 2, 2) and d128.q_buffers(128, 2, 2) == 2
+    assert d128.staged_output_fits(128, 2, 4) and d128.q_buffers(128, 2, 4) == 1
+    assert d128._bytes(128, 2, 2, 4) > SHARED_MEMORY_BUDGET >= d128._bytes(128, 2, 1, 4)
+    assert not d256.staged_output_fits(256, 2, 2) and d256.shared_memory_bytes(256, 2) <= SHARED_MEMORY_BUDGET
+    # 64 x 128 f32 states + their m and l, two query tiles, four slots of K and V: 64-token blocks
+    assert d128.shared_memory_bytes(128, 2) == 32768 + 512 + 2 * 16384 + 2 * 4 * 16384
+
+
 def test_mosaic_programs_are_the_fewest_that_keep_the_rounds():
     """Each H200 case's program count; then, for every item count up to 4 rounds of 132: the count
     takes the items in the rounds 132 programs would, and one program fewer would need another."""
