@@ -1,10 +1,12 @@
 """A/B of the Mosaic GPU decode kernel's body: this tree's against another version's, on the benchmark's cases.
 
     git show <commit>:pallas_kernels/decode_attention_mgpu.py > /tmp/base_mgpu.py
-    python -m benchmarks.ab_mosaic_body /tmp/base_mgpu.py OUT.json [CASES]   # CASES: names, comma-separated
+    python -m benchmarks.ab_mosaic_body [--whole-module] /tmp/base_mgpu.py OUT.json [CASES]   # CASES: comma-separated
 
 The other version's `_decode_body` replaces this tree's inside the same wrapper (same plan, launch
-and merge), so only the kernel body differs. Per case, the two take turns twice, each compiled
+and merge), so only the kernel body differs. With --whole-module the other version's whole
+kernel module (its wrapper, shared-memory tiles and config included) replaces this tree's, for
+a change whose body and wrapper go together. Per case, the two take turns twice, each compiled
 afresh; each run is timed inside one jitted program (`decode_attention.time_in_program`) and its
 output compared with the first run's (a change that should not alter the arithmetic shows 0).
 """
@@ -26,6 +28,16 @@ def load_module(path: str):
     return module
 
 
+def base_patches(base, whole_module: bool) -> dict:
+    """{(module, name): replacement} that put the base (a loaded kernel module) in this tree's place."""
+    import pallas_kernels
+    from pallas_kernels import decode_attention_mgpu as current
+
+    if whole_module:  # the ops and dispatch import the kernel module from its package at each call
+        return {(pallas_kernels, "decode_attention_mgpu"): base}
+    return {(current, "_decode_body"): base._decode_body}
+
+
 def main(argv=None):
     import jax
     import jax.numpy as jnp
@@ -35,13 +47,14 @@ def main(argv=None):
     from benchmarks import cases as bench_cases
     from benchmarks.decode_attention import summarize, time_in_program
     from benchmarks.mosaic_probes import patched
-    from pallas_kernels import decode_attention_mgpu as current
 
-    base_path, out_path, *names = argv or sys.argv[1:]
+    args = list(argv or sys.argv[1:])
+    whole_module = "--whole-module" in args
+    base_path, out_path, *names = [a for a in args if a != "--whole-module"]
     base = load_module(base_path)
     with open(base_path, "rb") as f:
         base_sha256 = hashlib.sha256(f.read()).hexdigest()
-    bodies = {"base": {(current, "_decode_body"): base._decode_body}, "this_tree": {}}
+    bodies = {"base": base_patches(base, whole_module), "this_tree": {}}
     out = {}
     for case in bench_cases.selected(names[0] if names else ""):
         data = bench_cases.make_case(case)
@@ -61,7 +74,7 @@ def main(argv=None):
                 print(case.name, name, turn, f"{stats['median_us']:.1f} us {stats['tbps_median']:.2f} TB/s, "
                       f"max |diff| {stats['max_abs_diff_vs_first_run']:.1e}", flush=True)
         with open(out_path, "w") as f:  # after every case: a run cut short keeps what it measured
-            json.dump({"machine": jax.devices()[0].device_kind, "jax": jax.__version__, "base": base_path,
+            json.dump({"machine": jax.devices()[0].device_kind, "jax": jax.__version__, "base": base_path, "whole_module": whole_module,
                        "base_sha256": base_sha256, "results": out}, f, indent=1)
 
 

@@ -29,16 +29,16 @@ do. It moves data differently:
   the first through shared memory, which merges them in warpgroup order and writes the split's
   output. The query tile is double-buffered where shared memory allows.
 - The item's end stalls the ring: the first warpgroup's slots wait while it merges and writes,
-  so its shared-memory traffic counts once an item. The states go through an f32 tile that is
-  tiled and swizzled like the K/V ring: untiled, a warp's WGMMA-layout access puts its 8 rows on
-  the same 8 banks. (H200, B 128, T 1,024, 8 items a program, inside one program: with the
-  hand-over and the output store skipped the kernel took 126.6 us against 138.7 and 139.5 in
-  turns, results/ab_epilogue_skipped_95f8010.json; with the tiled tile the side-by-side run had
-  B 128 at 131.4, against 135.8 in the run before, results/decode_attention_f711c91.json. Rows
-  padded in an untiled tile lower in jax 0.10 but not in 0.11.2, whose layout inference wants
-  row strides in whole 128-element tiles.) The staged output is still stored untiled, in its
-  own dtype: its query tile's 8 rows are read back in a strided layout, which Mosaic GPU does
-  not read from a swizzled tile.
+  so the time its shared-memory traffic takes there is lost once an item. The states go through
+  an f32 tile that is tiled and swizzled like the K/V ring: untiled, a warp's WGMMA-layout
+  access puts its 8 rows on the same 8 banks. (H200, B 128, T 1,024, 8 items a program, inside
+  one program: with the hand-over and the output store skipped the kernel took 126.6 us against
+  138.7 and 139.5 in turns, results/ab_epilogue_skipped_95f8010.json; with the tiled tile the
+  side-by-side run had B 128 at 131.4, against 135.8 in the run before,
+  results/decode_attention_f711c91.json. Rows padded in an untiled tile lower in jax 0.10 but
+  not in 0.11.2, whose layout inference wants row strides in whole 128-element tiles.) The
+  staged output is still stored untiled, in its own dtype: its query tile's 8 rows are read
+  back in a strided layout, which Mosaic GPU does not read from a swizzled tile.
 - Block j of an item always goes to warpgroup j % compute_wgs: each item starts at a stream
   position that is a multiple of compute_wgs (the positions in between pass through the ring
   without copies). So an item's states merge in one order wherever it sits in its program's

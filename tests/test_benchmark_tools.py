@@ -178,6 +178,32 @@ def test_ab_mosaic_body_traces_the_other_versions_body():
     assert traced == [8]  # B 4 x H_kv 2 items in one slot: 8 programs
 
 
+def test_ab_mosaic_body_whole_module_puts_the_other_versions_wrapper_in_place():
+    """benchmarks.ab_mosaic_body --whole-module: the public op's Mosaic path (admission, config and
+    wrapper) runs the loaded module's `paged_decode_partials`, not this tree's."""
+    import jax
+    import jax.numpy as jnp
+
+    import decodejax
+    from benchmarks.ab_mosaic_body import base_patches, load_module
+    from benchmarks.mosaic_probes import patched
+    from pallas_kernels import decode_attention_mgpu as current
+
+    base = load_module(current.__file__)
+    called = []
+    wrapper = base.paged_decode_partials
+    base.paged_decode_partials = lambda *args, **kwargs: called.append(type(kwargs["config"])) or wrapper(*args, **kwargs)
+    q = jax.ShapeDtypeStruct((4, 8, 128), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((64, 16, 2, 128), jnp.bfloat16)
+    table, lens = jax.ShapeDtypeStruct((4, 16), jnp.int32), jax.ShapeDtypeStruct((4,), jnp.int32)
+    with patched(base_patches(base, whole_module=True)), decodejax.dispatch.targeting("gpu", "9.0"):
+        jax.clear_caches()  # traced again with the patch
+        step = jax.jit(lambda q, k, v, t, l: decodejax.decode_attention(q, k, v, t, l, backend="pallas_mosaic_gpu"))
+        assert "decodejax_paged_decode_mgpu" in step.trace(q, k, k, table, lens).lower(lowering_platforms=("cuda",)).as_text()
+    jax.clear_caches()
+    assert called == [base.MosaicDecodeConfig]
+
+
 def test_deal_probe_deals_in_index_order_and_leaves_every_output_as_it_was():
     """mosaic_probes `deal`: the patched order is what the Mosaic kernel is traced with (interpret
     mode here), it differs from longest first on this batch, and an item's state does not depend
