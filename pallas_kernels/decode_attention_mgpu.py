@@ -115,8 +115,7 @@ class MosaicDecodeConfig:
         bytes an element (`staged_output_fits`)."""
         q = q_buffers * WGMMA_ROWS * head_dim * itemsize
         ring = 2 * self.num_stages * self.block_k * head_dim * itemsize
-        handoffs = max(1, self.compute_warpgroups - 1)
-        states = handoffs * WGMMA_ROWS * head_dim * 4 + self.row_vectors() * handoffs * WGMMA_ROWS * 4
+        states = self.handoffs * WGMMA_ROWS * head_dim * 4 + self.row_vectors() * self.handoffs * WGMMA_ROWS * 4
         output = (WGMMA_ROWS + QUERY_ROWS) * head_dim * out_itemsize if out_itemsize else 0
         return q + ring + states + output
 
@@ -142,6 +141,12 @@ class MosaicDecodeConfig:
         T 4,096 went from 90.5 to 80.3 (one slot instead of two; probe_mosaic_tiles_a11c695.json)."""
         return 1
 
+    @property
+    def handoffs(self) -> int:
+        """State tiles: one per compute warpgroup but the first, and at least one, which holds the
+        output where it is not staged (`staged_output_fits`)."""
+        return max(1, self.compute_warpgroups - 1)
+
     def row_vectors(self) -> int:
         """Row vectors handed over per other warpgroup: m and l (the output's lse reuses the first);
         with one compute warpgroup only the lse."""
@@ -153,7 +158,7 @@ class MosaicDecodeConfig:
         return 2 if self._bytes(head_dim, itemsize, 2, out_itemsize) <= SHARED_MEMORY_BUDGET else 1
 
     def shared_memory_bytes(self, head_dim: int, itemsize: int) -> int:
-        """The query tiles, the K/V ring, and the states handed to warpgroup 0 (its output's tile)."""
+        """The query tiles, the K/V ring, and the states handed to warpgroup 0 (the unstaged output's tile)."""
         return self._bytes(head_dim, itemsize, self.q_buffers(head_dim, itemsize))
 
     def staged_output_fits(self, head_dim: int, itemsize: int, out_itemsize: int) -> bool:
@@ -766,7 +771,7 @@ def paged_decode_partials(
 
         extra["interpret"] = InterpretGPUParams(detect_races=True, out_of_bounds_reads="raise")
     copies_per_block = max(1, config.block_k // P)
-    handoffs = max(1, config.compute_warpgroups - 1)  # the output goes through the first
+    handoffs = config.handoffs
     q_buffers = config.q_buffers(D, q.dtype.itemsize, out_dtype.itemsize if staged else None)
     kernel = plgpu.kernel(
         _without_absent_inputs(body, inputs),
