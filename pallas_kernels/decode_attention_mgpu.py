@@ -5,9 +5,9 @@ The partial-state contract of the Triton producer (`pallas_kernels.decode_attent
 streams the split's key range [start, end) and returns the split's normalized partial state
 (o, lse) in float32, EMPTY as (0, -inf). A batch of several requests split in several slots
 with more work items than programs takes its bounds as i32[B, S] inputs (`SplitPlan.bounds`,
-built by XLA with the longest-first order that needs them); otherwise (one slot, one request, or
-no more items than programs) the kernel finds the bounds itself, as the Triton kernel's programs
-do. It moves data differently:
+built by XLA with the longest-first order that needs them), as does a plan that adapts to the
+batch's lengths; otherwise (one slot, one request, or no more items than programs) the kernel
+finds the bounds itself from each request's length, as the Triton kernel's programs do. It moves data differently:
 
 - The kernel is persistent. One program fills an SM's shared memory and registers, so a program
   per work item would leave every SM idle while each program's first copies are in flight and
@@ -392,12 +392,7 @@ def _decode_body(
     rounds, last_round = divmod(num_items, programs)
     my_items = rounds + jnp.where(rounds % 2 == 0, program < last_round, program >= programs - last_round).astype(jnp.int32)
 
-    # `plan.total_blocks` of the batch where the kernel finds adaptive bounds itself (else None):
-    # the lengths summed once, as scalars. The wrapper leaves the bounds to the kernel only where
-    # that is cheap: one request, or a batch with at most one item a program.
-    finds_adaptive_bounds = start_ref is None and not plan.whole_requests and plan.adapts_to_batch
-    batch_blocks = (sum(plan.total_blocks(jnp, seq_lens_ref[i]) for i in range(seq_lens_ref.shape[0]))
-                    if finds_adaptive_bounds else None)
+    assert start_ref is not None or not plan.adapts_to_batch, "an adaptive plan's bounds come as inputs"
 
     def work_item(k):
         """This program's k-th work item: (request b, K/V head h, split slot s) and the split's key
@@ -419,7 +414,7 @@ def _decode_body(
         seq_len = seq_lens_ref[b]
         if plan.whole_requests:  # one slot: the whole request
             return 0, seq_len
-        return plan.slot_bounds(jnp, seq_len, s, batch_blocks)
+        return plan.slot_bounds(jnp, seq_len, s, None)  # each request's bounds from its own length
 
     def stream_positions(num_blocks):
         """Positions an item takes in its program's block stream: its blocks, rounded up to a
@@ -735,7 +730,9 @@ def paged_decode_partials(
     kernel finds each split's bounds itself and writes every item, an EMPTY one as (0, -inf), in
     index order (as the Triton kernel deals only plans of several slots; one request's balanced
     splits differ by at most an aligned block, and a program with one item has no order to
-    choose). No XLA kernel runs before the launch; with one slot, no cache rows and
+    choose), unless the plan adapts to the batch's lengths (`SplitPlan.adapts_to_batch`; the auto
+    plan does only where its items outnumber the SMs, `_ops.decode_plan`): its bounds come from
+    XLA. No XLA kernel runs before the launch; with one slot, no cache rows and
     out_dtype = q.dtype (`MosaicDecodeConfig.staged_output_fits`), the kernel's o is the call's
     output. With more items than programs XLA builds the bounds and the longest-first order, and
     the kernel skips EMPTY splits: their lse is set to -inf here, and their o is left as the slot
@@ -763,9 +760,12 @@ def paged_decode_partials(
     # Bounds and order from XLA only where the longest-first deal needs them: a batch's slots
     # outnumbering the programs (on the H200 the bounds, the batch's total, the argsort and its
     # key were four kernels of their own before the launch: 4 of 6 launches at B 1, 4.8 us of GPU
-    # time a call at B 8, T 8,192, whose 128 items fit the 132 programs).
+    # time a call at B 8, T 8,192, whose 128 items fit the 132 programs). An adaptive plan's
+    # bounds, which need the batch's total, also come from XLA; the auto plan adapts only where
+    # its items outnumber the SMs, so that is where the deal builds them anyway.
     dealt = S > 1 and B > 1 and num_items > programs
-    split_start, split_end = plan.bounds(seq_lens) if dealt else (None, None)
+    bounds_given = dealt or plan.adapts_to_batch
+    split_start, split_end = plan.bounds(seq_lens) if bounds_given else (None, None)
     order = split_order(split_start, split_end, config.block_k) if dealt else None
     q_rows, q_row_stride = _query_rows(q, H_kv)
     tiled = lambda dtype: (plgpu.TilingTransform((TILE_ROWS, SWIZZLE_BYTES // jnp.dtype(dtype).itemsize)),
@@ -822,7 +822,7 @@ def paged_decode_partials(
     o, lse = kernel(*(x for x in inputs if x is not None))
     lse = _item_rows(lse, group, q_row_stride)
     o = o if staged else _item_rows(o, group, q_row_stride)
-    if not dealt:
+    if not bounds_given:
         return o, lse
     # The kernel skips EMPTY splits: their slots hold whatever was there; the lse marks them EMPTY.
     return o, jnp.where((split_end > split_start)[:, None, :], lse, -jnp.inf)

@@ -323,36 +323,30 @@ class MosaicDecodeAttentionCases(DecodeAttentionCases):
         assert_matches_oracle(o, lse, ref_o, ref_lse, "bfloat16", problem["seq_lens"])
         np.testing.assert_array_equal(np.asarray(parts.o[0, :, 6]), 0.0)  # EMPTY reads (0, -inf)
 
-    def test_a_batch_of_one_item_a_program_finds_its_adaptive_bounds(self, monkeypatch):
-        """With a program for every work item, a batch's slots take no bounds inputs either: the
-        kernel sums the batch's blocks itself, and each request's split count follows that total
-        (a 1,536-token table of two requests gives 4 slots against a target of 8 splits; 12 and 6
-        units of 128 are 18 in all, so splits of 3 units: 4 and 2 splits. A kernel that took a
-        request's own blocks for the total would give the second request 4 splits.)"""
+    @pytest.mark.parametrize("lengths, programs, target", [((1536, 700), 8, 8), ((700,), None, 4)],
+                             ids=["batch_one_item_a_program", "one_request"])
+    def test_a_plan_whose_items_fit_the_sms_is_split_by_each_length_in_the_kernel(self, lengths, programs, target, monkeypatch):
+        """Where every work item has an SM, the auto plan does not adapt (`_ops.decode_plan`), and
+        the kernel, given no bounds, splits each request by its own length: with 4 slots (1,536-token
+        tables, a target of 8 splits for two requests, 4 for one) 700 tokens are 6 units of 128 in
+        splits of 2, 2, 1 and 1, every slot live. The adaptive count would have left slots EMPTY:
+        the second request's last two (the batch's 18 units over 8 splits, 3 a split), the single
+        request's last (6 units over 4, 2 a split). Two requests with a program for each item, or
+        one request whose four items two interpreted programs take in turn."""
         from pallas_kernels.decode_attention_mgpu import MosaicDecodeConfig
 
-        monkeypatch.setattr(decodejax.planning, "decode_target_splits", lambda *args, **kwargs: 8)
-        spec = Spec(batch=2, q_heads=4, kv_heads=1, head_dim=128, page_size=16, width=96)
-        problem = make_problem(spec, np.random.default_rng(31), lengths=(1536, 700))
+        monkeypatch.setattr(decodejax.planning, "decode_target_splits", lambda *args, **kwargs: target)
+        spec = Spec(batch=len(lengths), q_heads=4, kv_heads=1, head_dim=128, page_size=16, width=96)
+        config = MosaicDecodeConfig(programs=programs)
+        plan = decodejax._ops.decode_plan(spec.batch, spec.kv_heads, spec.width * spec.page_size, config, num_splits=None,
+                                          deterministic=False, head_dim=spec.head_dim)
+        assert plan.capacity == 4 and not plan.adapts_to_batch
+        problem = make_problem(spec, np.random.default_rng(31), lengths=lengths)
         args = to_device(problem, jnp.bfloat16)
-        o, lse, parts = self.run(args, config=MosaicDecodeConfig(programs=8), return_partial_states=True)
-        np.testing.assert_array_equal(np.asarray(parts.valid[:, 0]), [[True] * 4, [True, True, False, False]])
-        np.testing.assert_array_equal(np.asarray(parts.o[1, :, 2:]), 0.0)  # EMPTY reads (0, -inf)
-        ref_o, ref_lse = oracle(args, KVLayout.PAGED_NHD)
-        assert_matches_oracle(o, lse, ref_o, ref_lse, "bfloat16", problem["seq_lens"])
-
-    def test_one_request_finds_its_adaptive_bounds(self, monkeypatch):
-        """One request's slots take no bounds inputs: the kernel computes the auto plan's bounds
-        itself, and their count follows the request's own blocks (a 1,536-token table gives 4 slots
-        against a target of 4 splits; 700 tokens are 6 units of 128, so splits of 2 units: 3 splits,
-        the fourth slot EMPTY; a kernel that took the batch's blocks for 0 or 1 would fill all 4)."""
-        monkeypatch.setattr(decodejax.planning, "decode_target_splits", lambda *args, **kwargs: 4)
-        spec = Spec(batch=1, q_heads=4, kv_heads=1, head_dim=128, page_size=16, width=96)
-        problem = make_problem(spec, np.random.default_rng(29), lengths=(700,))
-        args = to_device(problem, jnp.bfloat16)
-        o, lse, parts = self.run(args, return_partial_states=True)
-        np.testing.assert_array_equal(np.asarray(parts.valid[0, 0]), [True, True, True, False])
-        np.testing.assert_array_equal(np.asarray(parts.o[0, :, 3]), 0.0)  # EMPTY reads (0, -inf)
+        o, lse, parts = self.run(args, config=config, return_partial_states=True)
+        np.testing.assert_array_equal(np.asarray(parts.valid[:, 0]), [[True] * 4] * len(lengths))
+        start, end = plan.bounds(np.asarray(problem["seq_lens"]))
+        np.testing.assert_array_equal(end[-1] - start[-1], [256, 256, 128, 60])
         ref_o, ref_lse = oracle(args, KVLayout.PAGED_NHD)
         assert_matches_oracle(o, lse, ref_o, ref_lse, "bfloat16", problem["seq_lens"])
 

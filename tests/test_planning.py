@@ -160,6 +160,28 @@ def test_auto_split_counts_match_the_h200_measurements():
     assert planning.decode_split_capacity(32, 8, 16384, 128, 132) == 16384 // planning.MAX_SPLIT_TOKENS  # room for the cap
 
 
+def test_auto_plan_adapts_only_where_its_items_outnumber_the_sms():
+    """One round (B x H_kv x S items no more than the SMs' items_per_sm each): the plan's splits
+    are each request's own, so a kernel finding bounds reads no other lengths; beyond it they
+    adapt to the batch's total. At the benchmark shapes (H_kv 8, 132 SMs): the Mosaic kernel
+    (one item an SM) at B 1 and 8 has 128 items, the Triton kernel (two) 256 of 264; the ragged
+    batch's (B 32, 16,384-token tables) 1,024 items adapt for both, and so does B 8 in a table as
+    wide as the split cap's slots make more items than SMs."""
+    from decodejax import _ops
+    from pallas_kernels.decode_attention_mgpu import MosaicDecodeConfig
+
+    plan = lambda batch, length, config, kv_heads=8: _ops.decode_plan(batch, kv_heads, length, config, num_splits=None,
+                                                                       deterministic=False)
+    for config in (MosaicDecodeConfig(), DecodeConfig(block_k=128)):
+        for batch, length in ((1, 32768), (8, 8192)):
+            p = plan(batch, length, config)
+            assert batch * 8 * p.capacity <= 132 * config.items_per_sm and not p.adapts_to_batch, (config, batch)
+        p = plan(32, 16384, config)
+        assert 32 * 8 * p.capacity > 132 * config.items_per_sm and p.adapts_to_batch, config
+    wide = plan(8, 65536, MosaicDecodeConfig())
+    assert 8 * 8 * wide.capacity > 132 and wide.adapts_to_batch
+
+
 def test_a_batch_that_fills_the_gpu_gets_no_slots_for_the_split_cap():
     """An engine's tables are as wide as its longest context (8,238 tokens in e2e_decode.py). At
     B 64 and 128 the batch's own programs fill the GPU (3 per SM), so the capacity is one slot
