@@ -171,7 +171,8 @@ def decode_attention(
       deterministic: fixed chunks of DETERMINISTIC_CHUNK tokens, so a request's output is bit
         identical whatever its neighbours and the batch size.
       num_splits: split count of every request; default: planning.decode_split_capacity slots,
-        of which each request uses what the batch's lengths need (planning.adaptive_split_counts).
+        of which, where the work items outnumber the SMs, each request uses what the batch's
+        lengths need (planning.adaptive_split_counts); otherwise every slot, by its own length.
       config: pallas_kernels.decode_attention.DecodeConfig; default from its default_config.
       dense_mask: optional bool[B, W * P], an application mask ANDed with the causal/window
         visibility (mask_kind dense_custom: admitted by the XLA backend only).

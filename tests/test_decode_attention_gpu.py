@@ -35,7 +35,8 @@ SWEEP = [
     (Spec(256, 24, 4, 128, 5, 200, remap=True), {"num_splits": 7}),
     (Spec(256, 8, 8, 128, 32, 40), {"deterministic": True}),
     (Spec(256, 64, 8, 64, 64, 20), {"sm_scale": 0.05, "num_splits": 64}),
-    (Spec(8, 32, 8, 128, 16, 256), {}),  # the auto plan with 8 slots, split counts from the batch's lengths
+    (Spec(8, 32, 8, 128, 16, 256), {}),  # the auto plan's 4 slots in one round: each request split by its own length
+    (Spec(8, 32, 8, 128, 16, 2048), {}),  # 8 slots, 512 items: split counts from the batch's lengths, ranked
     (Spec(1, 32, 8, 128, 16, 2048), {}),  # one request, up to 32,768 tokens: the auto plan's slots, unranked
 ]
 # The same options on the Mosaic kernel's shapes (pages a multiple of 8).
@@ -46,10 +47,11 @@ MOSAIC_SWEEP = [
     (Spec(256, 24, 4, 128, 32, 40, remap=True), {"num_splits": 7}),
     (Spec(256, 8, 8, 128, 32, 40), {"deterministic": True}),
     (Spec(256, 64, 8, 64, 64, 20), {"sm_scale": 0.05, "num_splits": 64}),
-    (Spec(8, 32, 8, 128, 16, 256), {}),
+    (Spec(8, 32, 8, 128, 16, 256), {}),  # 2 slots in one round: the kernel finds the bounds itself
+    (Spec(8, 32, 8, 128, 16, 2048), {}),  # 8 slots, 512 items: adaptive bounds and their order from XLA
     (Spec(1, 32, 8, 128, 16, 2048), {}),  # one request: the kernel finds its slots' bounds itself
 ]
-DRAWS = 7  # (6 shapes x 256 rows + 8 rows + 1 row) x 7 draws = 10,815 rows per dtype
+DRAWS = 7  # (6 shapes x 256 rows + 2 x 8 rows + 1 row) x 7 draws = 10,871 rows per dtype
 
 
 @pytest.mark.parametrize("backend,sweep", [("pallas_triton", SWEEP), ("pallas_mosaic_gpu", MOSAIC_SWEEP)], ids=["triton", "mosaic"])
