@@ -7,7 +7,8 @@ streams the split's key range [start, end) and returns the split's normalized pa
 with more work items than programs takes its bounds as i32[B, S] inputs (`SplitPlan.bounds`,
 built by XLA with the longest-first order that needs them), as does a plan that adapts to the
 batch's lengths; otherwise (one slot, one request, or no more items than programs) the kernel
-finds the bounds itself from each request's length, as the Triton kernel's programs do. It moves data differently:
+finds the bounds itself from each request's length, as the Triton kernel's programs do. It
+moves data differently:
 
 - The kernel is persistent. One program fills an SM's shared memory and registers, so a program
   per work item would leave every SM idle while each program's first copies are in flight and
@@ -584,8 +585,8 @@ def _decode_body(
         else:
             out_smem[...] = o.astype(out_smem.dtype)
             plgpu.commit_smem()
-            rows = _load(out_smem.at[pl.ds(0, QUERY_ROWS)], _eight_rows(out_smem.dtype), interpret=interpret, optimized=False)
-            stage_smem[...] = rows
+            stage_smem[...] = _load(out_smem.at[pl.ds(0, QUERY_ROWS)], _eight_rows(out_smem.dtype), interpret=interpret,
+                                    optimized=False)
             plgpu.commit_smem()
             _, offset = query_tile(b, h)
             for first in range(0, QUERY_ROWS - group + 1, group):  # static slices: a dynamic row offset does not lower

@@ -165,13 +165,12 @@ def test_auto_plan_adapts_only_where_its_items_outnumber_the_sms():
     are each request's own, so a kernel finding bounds reads no other lengths; beyond it they
     adapt to the batch's total. At the benchmark shapes (H_kv 8, 132 SMs): the Mosaic kernel
     (one item an SM) at B 1 and 8 has 128 items, the Triton kernel (two) 256 of 264; the ragged
-    batch's (B 32, 16,384-token tables) 1,024 items adapt for both, and so does B 8 in a table as
-    wide as the split cap's slots make more items than SMs."""
+    batch's (B 32, 16,384-token tables) 1,024 items adapt for both, and so does B 8 in a
+    65,536-token table, whose split cap gives it more items than SMs."""
     from decodejax import _ops
     from pallas_kernels.decode_attention_mgpu import MosaicDecodeConfig
 
-    plan = lambda batch, length, config, kv_heads=8: _ops.decode_plan(batch, kv_heads, length, config, num_splits=None,
-                                                                       deterministic=False)
+    plan = lambda batch, length, config: _ops.decode_plan(batch, 8, length, config, num_splits=None, deterministic=False)
     for config in (MosaicDecodeConfig(), DecodeConfig(block_k=128)):
         for batch, length in ((1, 32768), (8, 8192)):
             p = plan(batch, length, config)
