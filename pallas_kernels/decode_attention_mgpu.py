@@ -305,6 +305,11 @@ def _load(ref, layout, *, interpret: bool, optimized: bool = True):
     return ref[...] if interpret else plgpu.load(ref, (), layout=layout, optimized=optimized)
 
 
+def _tiled(dtype) -> tuple:
+    """The transforms of a shared-memory tile that wgmma and TMA read: (8, 128-byte) tiles, swizzled."""
+    return (plgpu.TilingTransform((TILE_ROWS, SWIZZLE_BYTES // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(SWIZZLE_BYTES))
+
+
 def _eight_rows(dtype):
     """The register layout of a warpgroup's read of 8 rows (one shared-memory tile's height) out of a
     tile tiled (8, 128 bytes) and swizzled: in every 128-byte column tile a warp takes a quarter of
@@ -762,15 +767,12 @@ def paged_decode_partials(
     # outnumbering the programs (on the H200 the bounds, the batch's total, the argsort and its
     # key were four kernels of their own before the launch: 4 of 6 launches at B 1, 4.8 us of GPU
     # time a call at B 8, T 8,192, whose 128 items fit the 132 programs). An adaptive plan's
-    # bounds, which need the batch's total, also come from XLA; the auto plan adapts only where
-    # its items outnumber the SMs, so that is where the deal builds them anyway.
+    # bounds come from XLA too, without the order (see the docstring).
     dealt = S > 1 and B > 1 and num_items > programs
     bounds_given = dealt or plan.adapts_to_batch
     split_start, split_end = plan.bounds(seq_lens) if bounds_given else (None, None)
     order = split_order(split_start, split_end, config.block_k) if dealt else None
     q_rows, q_row_stride = _query_rows(q, H_kv)
-    tiled = lambda dtype: (plgpu.TilingTransform((TILE_ROWS, SWIZZLE_BYTES // jnp.dtype(dtype).itemsize)),
-                           plgpu.SwizzleTransform(SWIZZLE_BYTES))
     ring = (config.num_stages, config.block_k, D)
     body = functools.partial(
         _decode_body, group=group, q_row_stride=q_row_stride, plan=plan, programs=programs,
@@ -796,12 +798,12 @@ def paged_decode_partials(
             jax.ShapeDtypeStruct((B, H_kv, S, QUERY_ROWS), jnp.float32),
         ),
         scratch_types=[
-            plgpu.SMEM((q_buffers, WGMMA_ROWS, D), q.dtype, transforms=tiled(q.dtype)),
-            plgpu.SMEM(ring, k_pages.dtype, transforms=tiled(k_pages.dtype)),
-            plgpu.SMEM(ring, v_pages.dtype, transforms=tiled(v_pages.dtype)),
+            plgpu.SMEM((q_buffers, WGMMA_ROWS, D), q.dtype, transforms=_tiled(q.dtype)),
+            plgpu.SMEM(ring, k_pages.dtype, transforms=_tiled(k_pages.dtype)),
+            plgpu.SMEM(ring, v_pages.dtype, transforms=_tiled(v_pages.dtype)),
             # Tiled and swizzled, as the output's tile: a warp's WGMMA-layout access of f32 to an
             # untiled tile of D floats a row puts its 8 rows on the same 8 banks.
-            plgpu.SMEM((handoffs, WGMMA_ROWS, D), jnp.float32, transforms=tiled(jnp.float32)),
+            plgpu.SMEM((handoffs, WGMMA_ROWS, D), jnp.float32, transforms=_tiled(jnp.float32)),
             plgpu.SMEM((config.row_vectors(), handoffs, WGMMA_ROWS), jnp.float32),
             plgpu.Barrier(num_barriers=q_buffers),
             plgpu.Barrier(num_arrivals=config.compute_warpgroups, num_barriers=q_buffers),
@@ -811,7 +813,7 @@ def paged_decode_partials(
             plgpu.Barrier(num_barriers=config.num_stages),
             plgpu.Barrier(num_arrivals=handoffs),
             plgpu.Barrier(),
-        ] + ([plgpu.SMEM((WGMMA_ROWS, D), out_dtype, transforms=tiled(out_dtype)), plgpu.SMEM((QUERY_ROWS, D), out_dtype)] if staged else []),
+        ] + ([plgpu.SMEM((WGMMA_ROWS, D), out_dtype, transforms=_tiled(out_dtype)), plgpu.SMEM((QUERY_ROWS, D), out_dtype)] if staged else []),
         compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=0),  # SHARED_MEMORY_BUDGET counts none
         grid=(programs,),
         grid_names=("program",),

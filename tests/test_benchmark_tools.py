@@ -126,24 +126,33 @@ def test_compiler_probe_patches_reach_the_mosaic_kernel(monkeypatch):
     assert plgpu.CompilerParams().approx_math is False  # restored
 
 
-def test_bottleneck_probe_patches_lower_for_cuda():
-    """mosaic_probes `bottleneck`: the kernel with its MMAs, its softmax or both replaced still lowers
-    for CUDA (the replacements keep the helpers' signatures and layouts)."""
+def _lowered_mosaic_call(**options) -> str:
+    """The public op's Mosaic path (B 4, H_q 8, H_kv 2, D 128, a 16-page table), traced afresh under
+    whatever patches the caller holds and lowered for CUDA on this host: the lowered text."""
     import jax
     import jax.numpy as jnp
 
     import decodejax
-    from benchmarks.mosaic_probes import _without, patched
 
     q = jax.ShapeDtypeStruct((4, 8, 128), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((64, 16, 2, 128), jnp.bfloat16)
     table, lens = jax.ShapeDtypeStruct((4, 16), jnp.int32), jax.ShapeDtypeStruct((4,), jnp.int32)
+    jax.clear_caches()  # traced again with the caller's patches
+    with decodejax.dispatch.targeting("gpu", "9.0"):
+        step = jax.jit(lambda q, k, v, t, l: decodejax.decode_attention(q, k, v, t, l, backend="pallas_mosaic_gpu", **options))
+        return step.trace(q, k, k, table, lens).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_bottleneck_probe_patches_lower_for_cuda():
+    """mosaic_probes `bottleneck`: the kernel with its MMAs, its softmax or both replaced still lowers
+    for CUDA (the replacements keep the helpers' signatures and layouts)."""
+    import jax
+
+    from benchmarks.mosaic_probes import _without, patched
+
     for parts in (("mma",), ("softmax",), ("mma", "softmax")):
-        with patched(_without(*parts)), decodejax.dispatch.targeting("gpu", "9.0"):
-            jax.clear_caches()  # traced again with the patches
-            step = jax.jit(lambda q, k, v, t, l: decodejax.decode_attention(q, k, v, t, l, num_splits=2,
-                                                                           backend="pallas_mosaic_gpu"))
-            assert "decodejax_paged_decode_mgpu" in step.trace(q, k, k, table, lens).lower(lowering_platforms=("cuda",)).as_text()
+        with patched(_without(*parts)):
+            assert "decodejax_paged_decode_mgpu" in _lowered_mosaic_call(num_splits=2)
     jax.clear_caches()
 
 
@@ -151,9 +160,7 @@ def test_ab_mosaic_body_traces_the_other_versions_body():
     """benchmarks.ab_mosaic_body: a kernel file loaded as its own module (its dataclasses included)
     lends its `_decode_body` to this tree's wrapper, and that body is the one traced and lowered."""
     import jax
-    import jax.numpy as jnp
 
-    import decodejax
     from benchmarks.ab_mosaic_body import load_module
     from benchmarks.mosaic_probes import patched
     from pallas_kernels import decode_attention_mgpu as current
@@ -166,14 +173,8 @@ def test_ab_mosaic_body_traces_the_other_versions_body():
         traced.append(kwargs["programs"])
         return base._decode_body(*args, **kwargs)
 
-    q = jax.ShapeDtypeStruct((4, 8, 128), jnp.bfloat16)
-    k = jax.ShapeDtypeStruct((64, 16, 2, 128), jnp.bfloat16)
-    table, lens = jax.ShapeDtypeStruct((4, 16), jnp.int32), jax.ShapeDtypeStruct((4,), jnp.int32)
-    with patched({(current, "_decode_body"): base_body}), decodejax.dispatch.targeting("gpu", "9.0"):
-        jax.clear_caches()  # traced again with the patch
-        step = jax.jit(lambda q, k, v, t, l: decodejax.decode_attention(q, k, v, t, l, num_splits=1,
-                                                                       backend="pallas_mosaic_gpu"))
-        assert "decodejax_paged_decode_mgpu" in step.trace(q, k, k, table, lens).lower(lowering_platforms=("cuda",)).as_text()
+    with patched({(current, "_decode_body"): base_body}):
+        assert "decodejax_paged_decode_mgpu" in _lowered_mosaic_call(num_splits=1)
     jax.clear_caches()
     assert traced == [8]  # B 4 x H_kv 2 items in one slot: 8 programs
 
@@ -182,9 +183,7 @@ def test_ab_mosaic_body_whole_module_puts_the_other_versions_wrapper_in_place():
     """benchmarks.ab_mosaic_body --whole-module: the public op's Mosaic path (admission, config and
     wrapper) runs the loaded module's `paged_decode_partials`, not this tree's."""
     import jax
-    import jax.numpy as jnp
 
-    import decodejax
     from benchmarks.ab_mosaic_body import base_patches, load_module
     from benchmarks.mosaic_probes import patched
     from pallas_kernels import decode_attention_mgpu as current
@@ -193,13 +192,8 @@ def test_ab_mosaic_body_whole_module_puts_the_other_versions_wrapper_in_place():
     called = []
     wrapper = base.paged_decode_partials
     base.paged_decode_partials = lambda *args, **kwargs: called.append(type(kwargs["config"])) or wrapper(*args, **kwargs)
-    q = jax.ShapeDtypeStruct((4, 8, 128), jnp.bfloat16)
-    k = jax.ShapeDtypeStruct((64, 16, 2, 128), jnp.bfloat16)
-    table, lens = jax.ShapeDtypeStruct((4, 16), jnp.int32), jax.ShapeDtypeStruct((4,), jnp.int32)
-    with patched(base_patches(base, whole_module=True)), decodejax.dispatch.targeting("gpu", "9.0"):
-        jax.clear_caches()  # traced again with the patch
-        step = jax.jit(lambda q, k, v, t, l: decodejax.decode_attention(q, k, v, t, l, backend="pallas_mosaic_gpu"))
-        assert "decodejax_paged_decode_mgpu" in step.trace(q, k, k, table, lens).lower(lowering_platforms=("cuda",)).as_text()
+    with patched(base_patches(base, whole_module=True)):
+        assert "decodejax_paged_decode_mgpu" in _lowered_mosaic_call()
     jax.clear_caches()
     assert called == [base.MosaicDecodeConfig]
 
