@@ -109,12 +109,16 @@ class MosaicDecodeConfig:
       programs: programs launched, each walking every programs-th work item; None:
         `balanced_programs` of one per SM (one program fills an SM's shared memory), or of
         INTERPRET_PROGRAMS in interpret mode.
+      profile_dir: where Mosaic GPU's profiler writes a trace of every program's phases (the
+        named scopes of `_decode_body`), one file per compile: `benchmarks/mosaic_timeline.py`
+        reads them. None: no profiling (the scopes then lower to nothing).
     """
 
     block_k: int = 64
     num_stages: int = 4
     compute_warpgroups: int = 2
     programs: int | None = None
+    profile_dir: str | None = None
 
     def _bytes(self, head_dim: int, itemsize: int, q_buffers: int, out_itemsize: int | None = None) -> int:
         """Shared memory of the kernel; out_itemsize: with the staged output's tiles in that many
@@ -519,10 +523,12 @@ def _decode_body(
                                   lambda _, pages: block_pages(next_b, next_end, next_first_block, 0), pages)
             return g, live + written(num_blocks).astype(jnp.int32), following, pages
 
-        first = work_item(0)
-        first_b, _, _, _, first_end, first_item_block, _ = first
-        first_pages = block_pages(first_b, first_end, first_item_block, 0)
-        stream_length, live_items, _, _ = lax.fori_loop(0, my_items, item, (0, 0, first, first_pages))
+        with jax.named_scope("first_pages"):
+            first = work_item(0)
+            first_b, _, _, _, first_end, first_item_block, _ = first
+            first_pages = block_pages(first_b, first_end, first_item_block, 0)
+        with jax.named_scope("stream"):
+            stream_length, live_items, _, _ = lax.fori_loop(0, my_items, item, (0, 0, first, first_pages))
         # The compute warpgroups arrive at every slot and query buffer they are done with; the
         # last arrivals, which no refill waited for, are waited for here (the interpreter checks
         # that every phase of a barrier is observed).
@@ -625,13 +631,15 @@ def _decode_body(
                     _laid_out(jnp.full((rows,), -jnp.inf, jnp.float32), reduced, interpret=interpret),
                     _laid_out(jnp.zeros((rows,), jnp.float32), reduced, interpret=interpret),
                 )
-                plgpu.barrier_wait(q_barriers.at[buffer])
+                with jax.named_scope("query_wait"):
+                    plgpu.barrier_wait(q_barriers.at[buffer])
                 lo, hi, sink_end = visible_range(seq_len - 1, seq_len, mask)
                 keys = (jnp.maximum(lo, start), jnp.minimum(hi, end), jnp.minimum(sink_end, end))
                 fold = functools.partial(step, q_tile=q_smem.at[buffer], g0=g0, start=start, end=end, first_block=first_block,
                                          keys=keys)
                 mine = jnp.maximum(num_blocks - wg + compute_wgs - 1, 0) // compute_wgs
-                acc, m, l = lax.fori_loop(0, mine, lambda n, c: fold(wg + n * compute_wgs, c), carry)
+                with jax.named_scope("blocks"):
+                    acc, m, l = lax.fori_loop(0, mine, lambda n, c: fold(wg + n * compute_wgs, c), carry)
                 plgpu.barrier_arrive(q_free_barriers.at[buffer])
                 if compute_wgs == 1:  # no padding positions, no states to hand over
                     write_output(acc, m, l, b, h, s)
@@ -656,14 +664,16 @@ def _decode_body(
 
                 @pl.when(wg == 0)
                 def _merge_and_write():
-                    plgpu.barrier_wait(handoff_barrier)
-                    state = (acc, m, l)
-                    for other in range(compute_wgs - 1):  # in warpgroup order: the same sums every run
-                        state = _merge_states(*state,
-                                              _load(state_smem.at[other], plgpu.Layout.WGMMA, interpret=interpret),
-                                              _load(ml_smem.at[0, other], reduced, interpret=interpret, optimized=False),
-                                              _load(ml_smem.at[1, other], reduced, interpret=interpret, optimized=False))
-                    write_output(*state, b, h, s)
+                    with jax.named_scope("handoff_wait"):
+                        plgpu.barrier_wait(handoff_barrier)
+                    with jax.named_scope("merge_write"):
+                        state = (acc, m, l)
+                        for other in range(compute_wgs - 1):  # in warpgroup order: the same sums every run
+                            state = _merge_states(*state,
+                                                  _load(state_smem.at[other], plgpu.Layout.WGMMA, interpret=interpret),
+                                                  _load(ml_smem.at[0, other], reduced, interpret=interpret, optimized=False),
+                                                  _load(ml_smem.at[1, other], reduced, interpret=interpret, optimized=False))
+                        write_output(*state, b, h, s)
                     plgpu.barrier_arrive(handoff_free_barrier)
 
             return next_g0, live + written(num_blocks).astype(jnp.int32)
@@ -791,6 +801,9 @@ def paged_decode_partials(
     copies_per_block = max(1, config.block_k // P)
     handoffs = config.handoffs
     q_buffers = config.q_buffers(D, q.dtype.itemsize, out_dtype.itemsize if staged else None)
+    profile = {}
+    if config.profile_dir:  # room for every scope a program enters: two, and four an item
+        profile = dict(profile_space=8 + 4 * -(-num_items // programs), profile_dir=config.profile_dir)
     kernel = plgpu.kernel(
         _without_absent_inputs(body, inputs),
         out_type=(
@@ -814,7 +827,7 @@ def paged_decode_partials(
             plgpu.Barrier(num_arrivals=handoffs),
             plgpu.Barrier(),
         ] + ([plgpu.SMEM((WGMMA_ROWS, D), out_dtype, transforms=_tiled(out_dtype)), plgpu.SMEM((QUERY_ROWS, D), out_dtype)] if staged else []),
-        compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=0),  # SHARED_MEMORY_BUDGET counts none
+        compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=0, **profile),  # SHARED_MEMORY_BUDGET counts none
         grid=(programs,),
         grid_names=("program",),
         num_threads=config.compute_warpgroups + 1,

@@ -1,7 +1,8 @@
-"""Benchmark tools: profile_summary (GPU stream events summed by name), hopper_compile (kernel IR extraction) and ncu_decode (Nsight Compute exports)."""
+"""Benchmark tools: profile_summary (GPU stream events summed by name), hopper_compile (kernel IR extraction), ncu_decode (Nsight Compute exports) and mosaic_timeline (the Mosaic kernel's profiler traces)."""
 
 from types import SimpleNamespace as NS
 
+import numpy as np
 import pytest
 
 from benchmarks.profile_summary import program_spans, stream_timeline, summarize_planes
@@ -124,6 +125,34 @@ def test_compiler_probe_patches_reach_the_mosaic_kernel(monkeypatch):
         step.trace(q, k, k, table, lens).lower(lowering_platforms=("cuda",))
     assert [(p.approx_math, p.reduction_scratch_bytes) for p in params] == [(True, 0)]
     assert plgpu.CompilerParams().approx_math is False  # restored
+
+
+def test_mosaic_timeline_config_turns_the_kernels_profiler_on_with_room_for_its_scopes(monkeypatch, tmp_path):
+    """MosaicDecodeConfig.profile_dir (benchmarks/mosaic_timeline.py): the kernel's CompilerParams
+    carry the directory and room for every scope a program enters (two, and four per work item);
+    without it, no profiler."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    import decodejax
+    from pallas_kernels.decode_attention_mgpu import default_config
+
+    params, kernel = [], plgpu.kernel
+    monkeypatch.setattr(plgpu, "kernel", lambda *a, **kw: params.append(kw["compiler_params"]) or kernel(*a, **kw))
+    q = jax.ShapeDtypeStruct((4, 8, 128), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((64, 16, 2, 128), jnp.bfloat16)
+    table, lens = jax.ShapeDtypeStruct((4, 16), jnp.int32), jax.ShapeDtypeStruct((4,), jnp.int32)
+    profiled = dataclasses.replace(default_config(128), profile_dir=str(tmp_path))
+    with decodejax.dispatch.targeting("gpu", "9.0"):
+        for config, splits in ((profiled, 2), (dataclasses.replace(profiled, programs=4), 2), (None, 2)):
+            jax.clear_caches()
+            jax.jit(lambda q, k, v, t, l: decodejax.decode_attention(
+                q, k, v, t, l, backend="pallas_mosaic_gpu", config=config, num_splits=splits)).trace(q, k, k, table, lens)
+    # 16 items (B 4 x H_kv 2 x 2 slots): one a program, then four for each of 4 programs; then unprofiled
+    assert [(p.profile_space, p.profile_dir) for p in params] == [(12, str(tmp_path)), (24, str(tmp_path)), (0, "")]
 
 
 def _lowered_mosaic_call(**options) -> str:
@@ -367,3 +396,24 @@ def test_ncu_exports_are_read_per_launch_with_their_stall_reasons(tmp_path):
                       "top_stalls_per_issued_instruction": {"barrier": 1002.5, "long_scoreboard": 3.85}}
     assert merge == {"kernel": "decodejax_merge_states", "duration": "3.10 us",
                      "top_stalls_per_issued_instruction": {"barrier": 0.5}}
+
+
+def test_mosaic_timeline_summary_reads_scopes_per_entry_and_last_events_per_sm():
+    from benchmarks.mosaic_timeline import summarize_trace
+
+    def scope(sm, name, begin, end, start=100.0):  # one trace per SM; times after a common start
+        return [{"name": name, "ph": "B", "ts": start + begin, "pid": 1 + sm, "tid": 1 + sm},
+                {"name": name, "ph": "E", "ts": start + end, "pid": 1 + sm, "tid": 1 + sm}]
+
+    events = (scope(0, "blocks", 0, 10) + scope(0, "merge_write", 10, 12) + scope(1, "blocks", 0.5, 11)
+              + scope(1, "merge_write", 11, 13) + scope(2, "blocks", 0, 6) + scope(2, "blocks", 6, 9)
+              + scope(3, "blocks", 0, 8) + scope(4, "blocks", 0, 5) + scope(5, "blocks", 0, 5.5))
+    s = summarize_trace(events)
+    assert s["span"] == 13
+    assert s["last_event_by_sm"] == {"0": 12, "1": 13, "2": 9, "3": 8, "4": 5, "5": 5.5}
+    assert s["scopes"]["blocks#0/end"]["n"] == 6 and s["scopes"]["blocks#0/end"]["median"] == 7  # 5, 5.5, 6, 8, 10, 11
+    assert s["scopes"]["blocks#1/begin"] == {"n": 1, "min": 6, "median": 6, "p90": 6, "max": 6}  # SM 2's second item
+    assert s["scopes"]["merge_write/duration"]["max"] == 2 and s["scopes"]["blocks/duration"]["n"] == 7
+    assert s["last_event_spread_share"] == pytest.approx((13 - 5) / 13)
+    assert s["tail_share"] == pytest.approx((13 - 8.5) / 13)  # past the median SM's 8.5
+    assert s["tpc_pair_correlation"] == pytest.approx(np.corrcoef([12, 9, 5], [13, 8, 5.5])[0, 1])
