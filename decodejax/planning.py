@@ -184,8 +184,7 @@ class SplitPlan:
         (None unless `adapts_to_batch`: then no slot depends on its neighbours)."""
         if not self.adapts_to_batch:
             return None
-        blocks = -(-lengths // self.align)
-        return blocks if xp.ndim(blocks) == 0 else xp.sum(blocks)  # one request's (a kernel's scalar): no reduction
+        return xp.sum(-(-lengths // self.align))
 
     def slot_bounds(self, xp, lengths, slots, total_blocks):
         """(start, end) of split slot `slots` of requests of `lengths` tokens, elementwise over
