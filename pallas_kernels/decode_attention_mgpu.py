@@ -28,7 +28,10 @@ moves data differently:
   warpgroup that owns the slot has read them. `compute_warpgroups` warpgroups take turns at the
   blocks, each with its own running state; at an item's end the others hand their states to
   the first through shared memory, which merges them in warpgroup order and writes the split's
-  output. The query tile is double-buffered where shared memory allows.
+  output. The query tile is double-buffered where shared memory allows. (A TMA prefetch into
+  L2 of each item's block n ahead, to have more bytes in flight than the ring holds, was slower
+  at every benchmark case on the H200: 15% to 40% at n = 4, more at n = 8, 18% at B 8 with n = 2;
+  results/ab_l2_prefetch4_vs_head_b94e4d4.json and its _vs_8, _vs_2 files.)
 - The item's end stalls the ring: the first warpgroup's slots wait while it merges and writes,
   so the time its shared-memory traffic takes there is lost once an item. The states go through
   an f32 tile that is tiled and swizzled like the K/V ring: untiled, a warp's WGMMA-layout
@@ -76,6 +79,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -306,7 +310,12 @@ def _load(ref, layout, *, interpret: bool, optimized: bool = True):
     """The whole of `ref` in registers (the interpreter reads refs by indexing only).
 
     optimized=False accepts shared-memory bank conflicts (an untiled f32 tile read once)."""
-    return ref[...] if interpret else plgpu.load(ref, (), layout=layout, optimized=optimized)
+    return ref[...] if interpret else plgpu.load(ref, *_WHOLE_REF_INDEX, layout=layout, optimized=optimized)
+
+
+# `plgpu.load`'s index argument: required in jax 0.10 (() reads the whole ref), deprecated in 0.11,
+# where leaving it out reads the whole ref and passing one warns.
+_WHOLE_REF_INDEX = ((),) if inspect.signature(plgpu.load).parameters["idx"].default is inspect.Parameter.empty else ()
 
 
 def _tiled(dtype) -> tuple:
