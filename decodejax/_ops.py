@@ -373,11 +373,7 @@ def _merge_xla(o, lse):
 
     identity = (jnp.float32(-jnp.inf), jnp.float32(0.0), jnp.float32(0.0))
     m, l, acc = jax.lax.reduce(triples, identity, combine, (o.ndim - 2,))
-    valid = l > 0
-    safe_l = jnp.where(valid, l, 1.0)
-    merged_o = jnp.where(valid, acc / safe_l, 0.0)
-    merged_lse = jnp.where(valid, m + jnp.log(safe_l), -jnp.inf)[..., 0]
-    return merged_o.astype(o.dtype), merged_lse
+    return _normalized(m, l, acc, o.dtype)
 
 
 def _merge_slot_by_slot(o, lse):
@@ -397,10 +393,18 @@ def _merge_slot_by_slot(o, lse):
     total = functools.reduce(jnp.add, weights)
     acc = functools.reduce(jnp.add, (w * jnp.where(ok, o[..., s, :].astype(jnp.float32), 0.0)  # EMPTY o is never data
                                      for s, ok, w in zip(slots, live, weights)))
+    return _normalized(peak, total, acc, o.dtype)
+
+
+def _normalized(peak, total, acc, dtype) -> tuple[jax.Array, jax.Array]:
+    """A merged state whose max, weight sum and weighted sum (f32) each have o's shape [..., D] (every
+    element computes its own) -> (o [..., D] in dtype, lse [...]); a row without weight (every slot
+    EMPTY) gives (0, -inf)."""
+    valid = total > 0
     safe_total = jnp.where(valid, total, 1.0)
     merged_o = jnp.where(valid, acc / safe_total, 0.0)
     merged_lse = jnp.where(valid, peak + jnp.log(safe_total), -jnp.inf)[..., 0]
-    return merged_o.astype(o.dtype), merged_lse
+    return merged_o.astype(dtype), merged_lse
 
 
 def _merge_pallas(o, lse, *, interpret):
