@@ -133,31 +133,22 @@ def test_mosaic_timeline_config_turns_the_kernels_profiler_on_with_room_for_its_
     without it, no profiler."""
     import dataclasses
 
-    import jax
-    import jax.numpy as jnp
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    import decodejax
     from pallas_kernels.decode_attention_mgpu import default_config
 
     params, kernel = [], plgpu.kernel
     monkeypatch.setattr(plgpu, "kernel", lambda *a, **kw: params.append(kw["compiler_params"]) or kernel(*a, **kw))
-    q = jax.ShapeDtypeStruct((4, 8, 128), jnp.bfloat16)
-    k = jax.ShapeDtypeStruct((64, 16, 2, 128), jnp.bfloat16)
-    table, lens = jax.ShapeDtypeStruct((4, 16), jnp.int32), jax.ShapeDtypeStruct((4,), jnp.int32)
     profiled = dataclasses.replace(default_config(128), profile_dir=str(tmp_path))
-    with decodejax.dispatch.targeting("gpu", "9.0"):
-        for config, splits in ((profiled, 2), (dataclasses.replace(profiled, programs=4), 2), (None, 2)):
-            jax.clear_caches()
-            jax.jit(lambda q, k, v, t, l: decodejax.decode_attention(
-                q, k, v, t, l, backend="pallas_mosaic_gpu", config=config, num_splits=splits)).trace(q, k, k, table, lens)
+    for config in (profiled, dataclasses.replace(profiled, programs=4), None):
+        _traced_mosaic_call(config=config, num_splits=2)  # traced only: the profiler's dump does not lower on a CPU host
     # 16 items (B 4 x H_kv 2 x 2 slots): one a program, then four for each of 4 programs; then unprofiled
     assert [(p.profile_space, p.profile_dir) for p in params] == [(12, str(tmp_path)), (24, str(tmp_path)), (0, "")]
 
 
-def _lowered_mosaic_call(**options) -> str:
+def _traced_mosaic_call(**options):
     """The public op's Mosaic path (B 4, H_q 8, H_kv 2, D 128, a 16-page table), traced afresh under
-    whatever patches the caller holds and lowered for CUDA on this host: the lowered text."""
+    whatever patches the caller holds, for a Hopper GPU: the traced call."""
     import jax
     import jax.numpy as jnp
 
@@ -169,7 +160,12 @@ def _lowered_mosaic_call(**options) -> str:
     jax.clear_caches()  # traced again with the caller's patches
     with decodejax.dispatch.targeting("gpu", "9.0"):
         step = jax.jit(lambda q, k, v, t, l: decodejax.decode_attention(q, k, v, t, l, backend="pallas_mosaic_gpu", **options))
-        return step.trace(q, k, k, table, lens).lower(lowering_platforms=("cuda",)).as_text()
+        return step.trace(q, k, k, table, lens)
+
+
+def _lowered_mosaic_call(**options) -> str:
+    """`_traced_mosaic_call` lowered for CUDA on this host: the lowered text."""
+    return _traced_mosaic_call(**options).lower(lowering_platforms=("cuda",)).as_text()
 
 
 def test_bottleneck_probe_patches_lower_for_cuda():
