@@ -26,13 +26,15 @@ moves data differently:
   block of `block_k` tokens, into a ring of `num_stages` shared-memory slots (one barrier per
   slot counts the block's copies) and refills a slot's K, then its V, as soon as the compute
   warpgroup that owns the slot has read them. `compute_warpgroups` warpgroups take turns at the
-  blocks, each with its own running state; at an item's end the others hand their states to
-  the first through shared memory, which merges them in warpgroup order and writes the split's
-  output. The query tile is double-buffered where shared memory allows. (A TMA prefetch into
-  L2 of each item's block n ahead, to have more bytes in flight than the ring holds, was slower
-  at every benchmark case on the H200: 15% to 40% at n = 4, more at n = 8, 18% at B 8 with n = 2;
+  blocks, each with its own running state; at an item's end the others hand their states
+  through shared memory to the item's merger, which merges them in warpgroup order and writes
+  the split's output. With two compute warpgroups the merger is the one that folded the item's
+  last block, so neither waits for the other's last block (`item_merger`). The query tile is
+  double-buffered where shared memory allows. (A TMA prefetch into L2 of each item's block n
+  ahead, to have more bytes in flight than the ring holds, was slower at every benchmark case on
+  the H200: 15% to 40% at n = 4, more at n = 8, 18% at B 8 with n = 2;
   results/ab_l2_prefetch4_vs_head_b94e4d4.json and its _vs_8, _vs_2 files.)
-- The item's end stalls the ring: the first warpgroup's slots wait while it merges and writes,
+- The item's end stalls the ring: the merger's slots wait while it merges and writes,
   so the time its shared-memory traffic takes there is lost once an item. The states go through
   an f32 tile that is tiled and swizzled like the K/V ring: untiled, a warp's WGMMA-layout
   access puts its 8 rows on the same 8 banks. (H200, B 128, T 1,024, 8 items a program, inside
@@ -172,7 +174,7 @@ class MosaicDecodeConfig:
         return 2 if self._bytes(head_dim, itemsize, 2, out_itemsize) <= SHARED_MEMORY_BUDGET else 1
 
     def shared_memory_bytes(self, head_dim: int, itemsize: int) -> int:
-        """The query tiles, the K/V ring, and the states handed to warpgroup 0 (the unstaged output's tile)."""
+        """The query tiles, the K/V ring, and the states handed to the merger (the unstaged output's tile)."""
         return self._bytes(head_dim, itemsize, self.q_buffers(head_dim, itemsize))
 
     def staged_output_fits(self, head_dim: int, itemsize: int, out_itemsize: int) -> bool:
@@ -384,7 +386,7 @@ def _decode_body(
     k_consumed_barriers,  # one per slot: its K (V) has been read by the MMAs
     v_consumed_barriers,
     handoff_barrier,  # the other compute warpgroups' states are in shared memory
-    handoff_free_barrier,  # warpgroup 0 has read them and the output copies have left shared memory
+    handoff_free_barrier,  # the merger has read them and the output copies have left shared memory
     out_smem,  # [64, D] in o_ref's dtype: the output tile; or None (then so is stage_smem)
     stage_smem,  # [QUERY_ROWS, D] in o_ref's dtype: the item's query tile's rows on their way out
     *,
@@ -617,19 +619,42 @@ def _decode_body(
         plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(0, QUERY_ROWS)], lse_ref.at[b, h, s])
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
+    def item_merger(num_blocks):
+        """The compute warpgroup that merges an item's states and writes its output. With two, the one
+        that folds the item's last block: the other hands its state over as soon as its own blocks are
+        done and goes on to the next item, instead of waiting for that last block, and the merger
+        reads the state at once. (H200, in turns inside one program against the first warpgroup
+        always merging, outputs bit-identical: MHA 472.6, 472.8 us against 478.1, 478.4; D 64 71.4
+        against 71.7; B 8 67.1 against 67.3, 67.2; the ragged batch 0.2% faster; B 32 level;
+        benchmarks/results/ab_rotating_merger_d4ea51f.json.) With three, the first: each of the
+        other two would have to observe the hand-over's phase, which counts both of them, before it
+        could merge a later item, so the first to finish would wait for the second."""
+        return lax.rem(num_blocks + 1, 2) if compute_wgs == 2 else 0
+
+    rotating = compute_wgs == 2  # whether the merger changes from item to item (`item_merger`)
+
     @pl.when(wg < compute_wgs)
     def _consumer():
         """A compute warpgroup: blocks j = wg, wg + compute_wgs, ... of each work item (items start
         at stream positions that are multiples of compute_wgs, so each ring slot always feeds the
-        same warpgroup); then the warpgroups' states merge in warpgroup order and warpgroup 0
-        writes the item's output."""
+        same warpgroup); then the item's merger (`item_merger`) merges the warpgroups' states in
+        warpgroup order and writes the item's output.
+
+        Every warpgroup that waits on a barrier at all observes each of its phases, in order (a wait
+        follows the phase parity it has seen). With a rotating merger both warpgroups do: a
+        hand-over's warpgroup observes the hand-over it completed at once, and observes the merger's
+        release of the state tile (`handoff_free_barrier`) at its next written item, before its next
+        arrival could start another phase, or at the end."""
         rows = q_smem.shape[1]
         reduced = plgpu.Layout.WGMMA.reduce(1)
 
         def item(k, carry):
-            g0, live = carry  # stream position, live (non-EMPTY) items so far
+            # stream position, live (non-EMPTY) items so far, and 1 where this warpgroup has yet to
+            # observe the last written item's release of the state tile
+            g0, live, owes_release = carry
             b, h, s, start, end, first_block, num_blocks = work_item(k)
             next_g0 = g0 + stream_positions(num_blocks)
+            merger = item_merger(num_blocks)
 
             @pl.when(written(num_blocks))
             def _fold_and_write():
@@ -663,33 +688,48 @@ def _decode_body(
                     plgpu.barrier_wait(v_barriers.at[slot])
                     plgpu.barrier_arrive(v_consumed_barriers.at[slot])
 
-                @pl.when(wg > 0)
+                @pl.when(wg != merger)
                 def _hand_over():
-                    pl.when(live > 0)(lambda: plgpu.barrier_wait(handoff_free_barrier))  # the last output has left
-                    state_smem[wg - 1] = acc
-                    ml_smem[0, wg - 1] = m
-                    ml_smem[1, wg - 1] = l
+                    pl.when(owes_release == 1)(lambda: plgpu.barrier_wait(handoff_free_barrier))  # the last states were read
+                    tile = 0 if rotating else wg - 1  # the others' tiles in warpgroup order, the merger's left out
+                    state_smem[tile] = acc
+                    ml_smem[0, tile] = m
+                    ml_smem[1, tile] = l
                     plgpu.barrier_arrive(handoff_barrier)
-
-                @pl.when(wg == 0)
-                def _merge_and_write():
-                    with jax.named_scope("handoff_wait"):
+                    if rotating:  # observed now (this arrival completed it): a later merger waits on the next phase
                         plgpu.barrier_wait(handoff_barrier)
-                    with jax.named_scope("merge_write"):
-                        state = (acc, m, l)
-                        for other in range(compute_wgs - 1):  # in warpgroup order: the same sums every run
-                            state = _merge_states(*state,
-                                                  _load(state_smem.at[other], plgpu.Layout.WGMMA, interpret=interpret),
-                                                  _load(ml_smem.at[0, other], reduced, interpret=interpret, optimized=False),
-                                                  _load(ml_smem.at[1, other], reduced, interpret=interpret, optimized=False))
-                        write_output(*state, b, h, s)
-                    plgpu.barrier_arrive(handoff_free_barrier)
 
-            return next_g0, live + written(num_blocks).astype(jnp.int32)
+                for w in range(compute_wgs) if rotating else (0,):
 
-        _, live_items = lax.fori_loop(0, my_items, item, (0, 0))
+                    @pl.when((wg == w) & (merger == w))
+                    def _merge_and_write(w=w):
+                        if rotating:
+                            pl.when(owes_release == 1)(lambda: plgpu.barrier_wait(handoff_free_barrier))
+                        with jax.named_scope("handoff_wait"):
+                            plgpu.barrier_wait(handoff_barrier)
+                        with jax.named_scope("merge_write"):
+                            state = None
+                            for v in range(compute_wgs):  # in warpgroup order, whoever merges: the same sums every run
+                                if v == w:
+                                    current = (acc, m, l)
+                                else:
+                                    tile = v - 1 if v > w else v
+                                    current = (_load(state_smem.at[tile], plgpu.Layout.WGMMA, interpret=interpret),
+                                               _load(ml_smem.at[0, tile], reduced, interpret=interpret, optimized=False),
+                                               _load(ml_smem.at[1, tile], reduced, interpret=interpret, optimized=False))
+                                state = current if state is None else _merge_states(*state, *current)
+                            write_output(*state, b, h, s)
+                        plgpu.barrier_arrive(handoff_free_barrier)
+                        if rotating:  # observed now: this warpgroup may hand over at the next item
+                            plgpu.barrier_wait(handoff_free_barrier)
+
+            live_now = written(num_blocks)
+            owes_next = jnp.where(live_now, (wg != merger).astype(jnp.int32), owes_release)
+            return next_g0, live + live_now.astype(jnp.int32), owes_next
+
+        _, _, owes_release = lax.fori_loop(0, my_items, item, (0, 0, 0))
         if compute_wgs > 1:  # the last item's output has been copied out (observes that phase)
-            pl.when((wg > 0) & (live_items > 0))(lambda: plgpu.barrier_wait(handoff_free_barrier))
+            pl.when(owes_release == 1)(lambda: plgpu.barrier_wait(handoff_free_barrier))
 
 
 def _without_absent_inputs(body, inputs: tuple):
