@@ -350,17 +350,22 @@ class MosaicDecodeAttentionCases(DecodeAttentionCases):
         ref_o, ref_lse = oracle(args, KVLayout.PAGED_NHD)
         assert_matches_oracle(o, lse, ref_o, ref_lse, "bfloat16", problem["seq_lens"])
 
-    @pytest.mark.parametrize("compute_warpgroups,stages", [(2, 4), (3, 3)])
-    def test_partial_states_do_not_depend_on_the_items_before(self, compute_warpgroups, stages):
+    @pytest.mark.parametrize("compute_warpgroups,stages,lengths", [(2, 4, (1100, 1, 1025)), (2, 4, (1174, 100, 1025)),
+                                                                  (3, 3, (1100, 1, 1025))],
+                             ids=["2-4", "2-4-mergers_alternate", "3-3"])
+    def test_partial_states_do_not_depend_on_the_items_before(self, compute_warpgroups, stages, lengths):
         """Batch invariance of the persistent kernel: one program walks every item, and request
         1's odd block count shifts where request 2's items start in the stream. Their float32
         partial states must still equal those of request 2 alone, bit for bit (the warpgroups'
         states merge in one order whatever the shift; a*b + c*d contracted to an FMA is not
-        symmetric, so swapping them showed as a last-bit change)."""
+        symmetric, so swapping them showed as a last-bit change). With two compute warpgroups
+        the one that folds an item's last block merges it: the second lengths' items (blocks 16,
+        16, 3, 2, 1 in the stream, longest first) have each warpgroup merge right after it handed
+        over, which the interpreter's barrier checks follow phase by phase."""
         from pallas_kernels.decode_attention_mgpu import MosaicDecodeConfig
 
         spec = Spec(batch=3, q_heads=2, kv_heads=1, head_dim=64, page_size=16, width=80)
-        args = to_device(make_problem(spec, np.random.default_rng(8), lengths=(1100, 1, 1025)), jnp.bfloat16)
+        args = to_device(make_problem(spec, np.random.default_rng(8), lengths=lengths), jnp.bfloat16)
         config = MosaicDecodeConfig(64, stages, compute_warpgroups, programs=1)
         run = lambda a: self.run(a, deterministic=True, config=config, return_partial_states=True)[2]
         together = run(args)
