@@ -619,6 +619,8 @@ def _decode_body(
         plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(0, QUERY_ROWS)], lse_ref.at[b, h, s])
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
+    rotating = compute_wgs == 2  # whether the merger changes from item to item (`item_merger`)
+
     def item_merger(num_blocks):
         """The compute warpgroup that merges an item's states and writes its output. With two, the one
         that folds the item's last block: the other hands its state over as soon as its own blocks are
@@ -629,9 +631,7 @@ def _decode_body(
         benchmarks/results/ab_rotating_merger_d4ea51f.json.) With three, the first: each of the
         other two would have to observe the hand-over's phase, which counts both of them, before it
         could merge a later item, so the first to finish would wait for the second."""
-        return lax.rem(num_blocks + 1, 2) if compute_wgs == 2 else 0
-
-    rotating = compute_wgs == 2  # whether the merger changes from item to item (`item_merger`)
+        return lax.rem(num_blocks + 1, 2) if rotating else 0
 
     @pl.when(wg < compute_wgs)
     def _consumer():
