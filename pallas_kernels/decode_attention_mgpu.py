@@ -688,9 +688,12 @@ def _decode_body(
                     plgpu.barrier_wait(v_barriers.at[slot])
                     plgpu.barrier_arrive(v_consumed_barriers.at[slot])
 
+                # Whichever role it takes now, the state tile and the output's tiles are free only once
+                # the last written item's merger has released them.
+                pl.when(owes_release == 1)(lambda: plgpu.barrier_wait(handoff_free_barrier))
+
                 @pl.when(wg != merger)
                 def _hand_over():
-                    pl.when(owes_release == 1)(lambda: plgpu.barrier_wait(handoff_free_barrier))  # the last states were read
                     tile = 0 if rotating else wg - 1  # the others' tiles in warpgroup order, the merger's left out
                     state_smem[tile] = acc
                     ml_smem[0, tile] = m
@@ -703,8 +706,6 @@ def _decode_body(
 
                     @pl.when((wg == w) & (merger == w))
                     def _merge_and_write(w=w):
-                        if rotating:
-                            pl.when(owes_release == 1)(lambda: plgpu.barrier_wait(handoff_free_barrier))
                         with jax.named_scope("handoff_wait"):
                             plgpu.barrier_wait(handoff_barrier)
                         with jax.named_scope("merge_write"):
