@@ -7,8 +7,10 @@ The other version's `_decode_body` replaces this tree's inside the same wrapper 
 and merge), so only the kernel body differs. With --whole-module the other version's whole
 kernel module (its wrapper, shared-memory tiles and config included) replaces this tree's, for
 a change whose body and wrapper go together. Per case, the two take turns twice, each compiled
-afresh; each run is timed inside one jitted program (`decode_attention.time_in_program`) and its
-output compared with the first run's (a change that should not alter the arithmetic shows 0).
+afresh; each run is timed inside one jitted program (`decode_attention.time_in_program`: traced
+spans) and by the host's clock around such programs (`host_clock`: the profiler left out, for a
+change to how kernels overlap, which tracing may alter), and its output compared with the first
+run's (a change that should not alter the arithmetic shows 0).
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import hashlib
 import importlib.util
 import json
 import sys
+
+HOST_SAMPLES = 10  # host-clock samples a run, each five chained programs (`evidence.timed_samples_in_program`)
 
 
 def load_module(path: str):
@@ -44,6 +48,7 @@ def main(argv=None):
     import numpy as np
 
     import decodejax
+    from decodejax import evidence
     from benchmarks import cases as bench_cases
     from benchmarks.decode_attention import summarize, time_in_program
     from benchmarks.mosaic_probes import patched
@@ -69,9 +74,12 @@ def main(argv=None):
                     o = np.asarray(fn(q, k, v, table, lens), np.float32)
                     first = o if first is None else first
                     stats = summarize(time_in_program(fn, q, k, v, table, lens), bench_cases.kv_bytes(case))
+                    host = evidence.timed_samples_in_program(fn, (q, k, v, table, lens), samples=HOST_SAMPLES)
+                    stats["host_clock"] = summarize(host, bench_cases.kv_bytes(case))
                 stats["max_abs_diff_vs_first_run"] = float(np.max(np.abs(o - first)))
                 out.setdefault(f"{case.name}/{name}", []).append(stats)
-                print(case.name, name, turn, f"{stats['median_us']:.1f} us {stats['tbps_median']:.2f} TB/s, "
+                print(case.name, name, turn, f"{stats['median_us']:.1f} us {stats['tbps_median']:.2f} TB/s "
+                      f"(host clock {stats['host_clock']['median_us']:.1f}), "
                       f"max |diff| {stats['max_abs_diff_vs_first_run']:.1e}", flush=True)
         with open(out_path, "w") as f:  # after every case: a run cut short keeps what it measured
             json.dump({"machine": jax.devices()[0].device_kind, "jax": jax.__version__, "base": base_path, "whole_module": whole_module,

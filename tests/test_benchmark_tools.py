@@ -146,6 +146,32 @@ def test_mosaic_timeline_config_turns_the_kernels_profiler_on_with_room_for_its_
     assert [(p.profile_space, p.profile_dir) for p in params] == [(12, str(tmp_path)), (24, str(tmp_path)), (0, "")]
 
 
+def test_mosaic_timeline_chain_gives_each_call_a_kernel_and_a_trace_of_its_own(monkeypatch, tmp_path):
+    """mosaic_timeline --chain: the chained program's calls take their configs in call order, so each
+    lowers a kernel with its own profile directory (its own trace), and every call is a Mosaic kernel."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    import decodejax
+    from benchmarks.mosaic_timeline import chained_profiled_program
+    from pallas_kernels.decode_attention_mgpu import default_config
+
+    params, kernel = [], plgpu.kernel
+    monkeypatch.setattr(plgpu, "kernel", lambda *a, **kw: params.append(kw["compiler_params"]) or kernel(*a, **kw))
+    dirs = [str(tmp_path / f"call{i}") for i in range(3)]
+    program = chained_profiled_program([dataclasses.replace(default_config(128), profile_dir=d) for d in dirs])
+    q = jax.ShapeDtypeStruct((4, 8, 128), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((64, 16, 2, 128), jnp.bfloat16)
+    table, lens = jax.ShapeDtypeStruct((4, 16), jnp.int32), jax.ShapeDtypeStruct((4,), jnp.int32)
+    jax.clear_caches()
+    with decodejax.dispatch.targeting("gpu", "9.0"):
+        program.trace([q] * 3, k, k, table, lens)  # traced only: the profiler's dump does not lower on a CPU host
+    assert [p.profile_dir for p in params] == dirs
+
+
 def _traced_mosaic_call(**options):
     """The public op's Mosaic path (B 4, H_q 8, H_kv 2, D 128, a 16-page table), traced afresh under
     whatever patches the caller holds, for a Hopper GPU: the traced call."""
@@ -410,6 +436,7 @@ def test_mosaic_timeline_summary_reads_scopes_per_entry_and_last_events_per_sm()
     assert s["scopes"]["blocks#0/end"]["n"] == 6 and s["scopes"]["blocks#0/end"]["median"] == 7  # 5, 5.5, 6, 8, 10, 11
     assert s["scopes"]["blocks#1/begin"] == {"n": 1, "min": 6, "median": 6, "p90": 6, "max": 6}  # SM 2's second item
     assert s["scopes"]["merge_write/duration"]["max"] == 2 and s["scopes"]["blocks/duration"]["n"] == 7
+    assert s["scopes"]["blocks#1/duration"]["median"] == 3 and s["scopes"]["blocks#0/duration"]["n"] == 6
     assert s["last_event_spread_share"] == pytest.approx((13 - 5) / 13)
     assert s["tail_share"] == pytest.approx((13 - 8.5) / 13)  # past the median SM's 8.5
     assert s["tpc_pair_correlation"] == pytest.approx(np.corrcoef([12, 9, 5], [13, 8, 5.5])[0, 1])
