@@ -82,7 +82,7 @@ def summarize_trace(events: list[dict]) -> dict:
     }
 
 
-def _median(summary: dict, scope: str) -> str:
+def _median_duration(summary: dict, scope: str) -> str:
     """The median duration of `scope` (e.g. blocks#1: each warpgroup's block loop of its program's
     second item) over the warpgroups that entered it, or '-' where none did."""
     duration = summary["scopes"].get(f"{scope}/duration")
@@ -111,7 +111,7 @@ def _line(name: str, s: dict) -> str:
     """One trace's summary `s` as a line of the log."""
     return (f"{name}: span {s['span']:.1f}, last events {s['last_event']['min']:.1f} to {s['last_event']['max']:.1f} "
             f"(tail {s['tail_share']:.1%} past the median), TPC pairs r = {s['tpc_pair_correlation']}, "
-            f"blocks#0 {_median(s, 'blocks#0')}, blocks#1 {_median(s, 'blocks#1')}")
+            f"blocks#0 {_median_duration(s, 'blocks#0')}, blocks#1 {_median_duration(s, 'blocks#1')}")
 
 
 def main(argv=None):
@@ -151,17 +151,18 @@ def main(argv=None):
                 [trace] = glob.glob(os.path.join(c.profile_dir, "*-trace.json"))
                 summaries.append(dict(summarize_trace(json.load(open(trace))["traceEvents"]), link=link))
                 print(_line(f"{case.name} chained call {link}", summaries[-1]), flush=True)
-        for call in range(0 if chain else calls):
-            jax.clear_caches()  # lowered afresh: a trace file of its own
-            fn = jax.jit(functools.partial(decodejax.decode_attention, backend="pallas_mosaic_gpu", config=config))
-            for run in range(runs):
-                jax.block_until_ready(fn(q, k, v, table, lens))
-                jax.effects_barrier()  # the profiler's dump is a host callback
-                [trace] = glob.glob(os.path.join(trace_dir, "*-trace.json"))
-                kept = os.path.join(trace_dir, f"call{call}-run{run}.json")
-                os.rename(trace, kept)  # room for the next run's dump
-                summaries.append(dict(summarize_trace(json.load(open(kept))["traceEvents"]), call=call, run=run))
-                print(_line(f"{case.name} call {call} run {run}", summaries[-1]), flush=True)
+        else:
+            for call in range(calls):
+                jax.clear_caches()  # lowered afresh: a trace file of its own
+                fn = jax.jit(functools.partial(decodejax.decode_attention, backend="pallas_mosaic_gpu", config=config))
+                for run in range(runs):
+                    jax.block_until_ready(fn(q, k, v, table, lens))
+                    jax.effects_barrier()  # the profiler's dump is a host callback
+                    [trace] = glob.glob(os.path.join(trace_dir, "*-trace.json"))
+                    kept = os.path.join(trace_dir, f"call{call}-run{run}.json")
+                    os.rename(trace, kept)  # room for the next run's dump
+                    summaries.append(dict(summarize_trace(json.load(open(kept))["traceEvents"]), call=call, run=run))
+                    print(_line(f"{case.name} call {call} run {run}", summaries[-1]), flush=True)
         results["cases"][case.name] = {"calls": summaries}
         with open(out_path, "w") as f:  # after every case: a run cut short keeps what it measured
             json.dump(results, f, indent=1)
