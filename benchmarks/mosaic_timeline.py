@@ -107,6 +107,17 @@ def chained_profiled_program(configs):
     return evidence.chained_program(call, len(configs))
 
 
+def _summary_of_trace_in(directory: str, path: str | None = None) -> dict:
+    """`summarize_trace` of the one trace the profiler dumped into `directory`; with `path`, the
+    trace is first moved there (out of the way of the next run's dump)."""
+    [trace] = glob.glob(os.path.join(directory, "*-trace.json"))
+    if path is not None:
+        os.rename(trace, path)
+        trace = path
+    with open(trace) as f:
+        return summarize_trace(json.load(f)["traceEvents"])
+
+
 def _line(name: str, s: dict) -> str:
     """One trace's summary `s` as a line of the log."""
     return (f"{name}: span {s['span']:.1f}, last events {s['last_event']['min']:.1f} to {s['last_event']['max']:.1f} "
@@ -148,8 +159,7 @@ def main(argv=None):
             jax.block_until_ready(chained_profiled_program(configs)(evidence.distinct_copies(q, chain), k, v, table, lens))
             jax.effects_barrier()  # every call's dump is a host callback
             for link, c in enumerate(configs):
-                [trace] = glob.glob(os.path.join(c.profile_dir, "*-trace.json"))
-                summaries.append(dict(summarize_trace(json.load(open(trace))["traceEvents"]), link=link))
+                summaries.append(dict(_summary_of_trace_in(c.profile_dir), link=link))
                 print(_line(f"{case.name} chained call {link}", summaries[-1]), flush=True)
         else:
             for call in range(calls):
@@ -158,10 +168,8 @@ def main(argv=None):
                 for run in range(runs):
                     jax.block_until_ready(fn(q, k, v, table, lens))
                     jax.effects_barrier()  # the profiler's dump is a host callback
-                    [trace] = glob.glob(os.path.join(trace_dir, "*-trace.json"))
-                    kept = os.path.join(trace_dir, f"call{call}-run{run}.json")
-                    os.rename(trace, kept)  # room for the next run's dump
-                    summaries.append(dict(summarize_trace(json.load(open(kept))["traceEvents"]), call=call, run=run))
+                    kept = os.path.join(trace_dir, f"call{call}-run{run}.json")  # room for the next run's dump
+                    summaries.append(dict(_summary_of_trace_in(trace_dir, kept), call=call, run=run))
                     print(_line(f"{case.name} call {call} run {run}", summaries[-1]), flush=True)
         results["cases"][case.name] = {"calls": summaries}
         with open(out_path, "w") as f:  # after every case: a run cut short keeps what it measured
