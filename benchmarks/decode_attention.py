@@ -271,9 +271,12 @@ def main(argv=None):
         return
     import jax
 
+    from decodejax import evidence
+
     results = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": {"device": jax.devices()[0].device_kind, "platform": platform.platform(), "python": platform.python_version(), "jax": jax.__version__},
+        "source_commit": evidence.source_identity()["commit"],
         "method": {"samples": SAMPLES, "reps_per_sample": REPS, "warmup": WARMUP, "unit": "microseconds per call", "datasheet_tbps": DATASHEET_TBPS,
                    "samples_us": f"{REPS} back-to-back jitted calls per sample, then a sync; the variants of a case take "
                                  "their samples in turns (one each, round after round)",
@@ -300,11 +303,12 @@ def main(argv=None):
 
 
 def merge_runs(runs: list[dict]) -> dict:
-    """One result from runs of the same machine and method over disjoint cases."""
-    merged = {key: runs[0][key] for key in ("date", "machine", "method")} | {"cases": {}, "merged_from_dates": [r["date"] for r in runs]}
+    """One result from runs of the same machine, method and source commit over disjoint cases."""
+    merged = ({key: runs[0][key] for key in ("date", "machine", "method")} | {"source_commit": runs[0].get("source_commit")}
+              | {"cases": {}, "merged_from_dates": [r["date"] for r in runs]})
     for run in runs:
-        if run["machine"] != merged["machine"] or run["method"] != merged["method"]:
-            raise ValueError(f"run of {run['date']} differs in machine or method from the run of {merged['date']}")
+        if (run["machine"], run["method"], run.get("source_commit")) != (merged["machine"], merged["method"], merged["source_commit"]):
+            raise ValueError(f"run of {run['date']} differs in machine, method or source commit from the run of {merged['date']}")
         for name, entry in run["cases"].items():
             if name in merged["cases"]:
                 raise ValueError(f"case {name} is in two runs")

@@ -71,17 +71,24 @@ def kv_bytes_read(config, batch: int, context: int, dtype_bytes: int) -> int:
 
 
 def fill_pool_with_noise(engine, seed: int = 0) -> None:
-    """Replaces every K/V page with standard-normal values, one layer at a time, in place."""
+    """Replaces every K/V page with standard-normal values, one layer at a time, in place.
+
+    The noise ignores the pages it replaces, and jit drops an unused argument, donated or not, so
+    the pages are kept as an argument (keep_unused) for their buffer to be donated. Without that,
+    the old pool lived until the rebind: on the H200 a 530,000-token pool (64.7 GiB beside 15 GiB
+    of weights) peaked at 128.2 of 128.6 GiB while filling, 16 layers' noise failed to allocate,
+    and the first decode step then stopped on an out-of-memory error. Each layer is waited for, so
+    that at most one layer's new buffer is in flight even where a donation cannot be used."""
     import jax
 
     from decodejax.cache import KVPool
 
-    noise = jax.jit(lambda key, pages: jax.random.normal(key, pages.shape, pages.dtype), donate_argnums=1)
+    noise = jax.jit(lambda key, pages: jax.random.normal(key, pages.shape, pages.dtype), donate_argnums=1, keep_unused=True)
     pool, key = engine.runner.pool, jax.random.key(seed)
     k, v = list(pool.k), list(pool.v)
     for layer in range(pool.num_layers):
         key, kk, kv = jax.random.split(key, 3)
-        k[layer], v[layer] = noise(kk, k[layer]), noise(kv, v[layer])
+        k[layer], v[layer] = jax.block_until_ready((noise(kk, k[layer]), noise(kv, v[layer])))
     engine.runner.rebind_pool(KVPool(k=tuple(k), v=tuple(v)))
 
 
@@ -314,7 +321,7 @@ def measure_all(args, batches: list[int], contexts: list[int]) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from decodejax import dispatch
+    from decodejax import dispatch, evidence
     from models import llama
 
     page, extra = 16, args.warmup + args.steps + args.profile_steps + 4
@@ -332,7 +339,7 @@ def measure_all(args, batches: list[int], contexts: list[int]) -> dict:
     rng = np.random.default_rng(0)
     rows = []
     result = {"machine": {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "python": platform.python_version()},
-              "model": args.model, "dtype": args.dtype, "pool_tokens": pool_tokens, "model_build_s": build_s,
+              "source_commit": evidence.source_identity()["commit"], "model": args.model, "dtype": args.dtype, "pool_tokens": pool_tokens, "model_build_s": build_s,
               "capture_s": engine.capture_seconds, "compiled_memory": engine.runner.compiled_memory(), "steps": args.steps,
               "warmup": args.warmup, "sampling": "greedy" if args.top_p is None else {"top_p": args.top_p},
               "prefer_backends": list(prefer),

@@ -389,6 +389,47 @@ def test_e2e_step_timing_splits_each_step_into_submit_and_fetch_and_restores_the
     assert "submit" not in vars(engine.runner) and "fetch" not in vars(engine.runner)
 
 
+def test_e2e_pool_noise_takes_each_layers_pages_in_place():
+    """benchmarks.e2e_decode.fill_pool_with_noise donates every layer's old pages (jit drops an
+    unused argument, donated or not, and a pool kept alive beside its noise needs twice its memory:
+    on the H200 a 64.7 GiB pool ran out while filling) and publishes noise of the same shapes."""
+    from benchmarks.e2e_decode import fill_pool_with_noise
+    from decodejax.cache import KVPool
+
+    class Runner:
+        pool = KVPool.create(num_layers=3, num_pages=5, page_size=4, kv_heads=2, head_dim=8)
+
+        def rebind_pool(self, pool):
+            self.pool = pool
+
+    engine = NS(runner=Runner())
+    old = engine.runner.pool
+    fill_pool_with_noise(engine, seed=1)
+    new = engine.runner.pool
+    assert all(a.is_deleted() for a in old.k + old.v)
+    assert [a.shape for a in new.k + new.v] == [a.shape for a in old.k + old.v]
+    arrays = [np.asarray(a, np.float32) for a in new.k + new.v]
+    values = np.concatenate([a.ravel() for a in arrays])
+    assert np.isfinite(values).all() and 0.5 < values.std() < 1.5
+    assert all(not np.array_equal(a, b) for i, a in enumerate(arrays) for b in arrays[i + 1:])  # a key per array
+
+
+def test_decode_benchmark_merges_runs_of_one_commit_only():
+    """benchmarks.decode_attention.merge_runs joins runs over disjoint cases that share the machine,
+    the method and the commit measured, and refuses a run of another commit."""
+    from benchmarks.decode_attention import merge_runs
+
+    def run(date, case, commit):
+        return {"date": date, "machine": {"device": "H200"}, "method": {"samples": 30}, "source_commit": commit,
+                "cases": {case: {"kv_bytes": 1, "variants": {}}}}
+
+    merged = merge_runs([run("d1", "B1", "a" * 40), run("d2", "B8", "a" * 40)])
+    assert merged["source_commit"] == "a" * 40 and sorted(merged["cases"]) == ["B1", "B8"]
+    assert merged["merged_from_dates"] == ["d1", "d2"]
+    with pytest.raises(ValueError, match="source commit"):
+        merge_runs([run("d1", "B1", "a" * 40), run("d2", "B8", "b" * 40)])
+
+
 def test_ncu_exports_are_read_per_launch_with_their_stall_reasons(tmp_path):
     """ncu_decode.summarize: the details page's rows go to their launch by ID (notes before the
     table skipped), the raw page's stall reasons (its second row holds units) are ranked, and a

@@ -3,6 +3,8 @@
 import subprocess
 import sys
 
+from decodejax import evidence
+
 
 def test_selfcheck_command_passes():
     out = subprocess.run([sys.executable, "-m", "decodejax", "selfcheck"], capture_output=True, text=True, timeout=300)
@@ -42,6 +44,8 @@ def test_e2e_benchmark_runs_on_a_tiny_model(tmp_path):
     # The backends each bucket's step selected (on CPU: the XLA reference for decode attention).
     assert result["prefer_backends"] == [] and set(result["selected_backends"]) == {"1", "3"}
     assert all(["attention", "decode", "xla"] in chosen for chosen in result["selected_backends"].values())
+    # The commit measured (this checkout's HEAD; on the GPU machine, DECODEJAX_SOURCE_COMMIT).
+    assert result["source_commit"] == evidence.source_identity()["commit"] and len(result["source_commit"]) == 40
 
 
 def test_e2e_benchmark_samples_with_top_p_when_asked(tmp_path):
