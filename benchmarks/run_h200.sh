@@ -13,7 +13,8 @@
 #   kernel    FlashInfer (own process), then decodejax and the JAX peers -> fi.json, decode_attention.json
 #             (KERNEL_CASES: comma-separated case names for both; KERNEL_ARGS: more benchmark flags)
 #   e2e       llama3-8b engine decode, with a GPU-time profile per shape -> e2e_decode.json
-#             (E2E_CONTEXTS: comma-separated contexts for e2e and peer, default 2048,512,8192)
+#             (E2E_CONTEXTS, E2E_BATCHES: comma-separated contexts and batches for e2e and peer;
+#             B 64 at T 8,192 needs E2E_POOL_TOKENS=530000, e.g. E2E_CONTEXTS=8192 E2E_BATCHES=64)
 #   e2e_top_p the same with nucleus sampling (the steps add the sorting resample) -> e2e_decode_top_p.json
 #   peer      transformers generate on the e2e shapes (own process) -> hf.json
 #   startup   capture time of fresh processes, cold then warm cache -> e2e_startup.json
@@ -29,6 +30,7 @@ mkdir -p "$OUT"
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 E2E_POOL_TOKENS=${E2E_POOL_TOKENS:-270000}  # 35 GB of K/V for llama3-8b: fits beside the weights and compiles
 E2E_CONTEXTS=${E2E_CONTEXTS:-2048,512,8192}  # the contexts of the e2e and peer stages, e.g. E2E_CONTEXTS=2048
+E2E_BATCHES=${E2E_BATCHES:-1,8,32,64,128}  # their batches
 
 for stage in "$@"; do
   echo "== $stage ($(date -u +%H:%M:%S))"
@@ -57,12 +59,12 @@ for stage in "$@"; do
         ${KERNEL_CASES:+--cases $KERNEL_CASES} ${KERNEL_ARGS:-} ;;  # e.g. KERNEL_ARGS=--no-sweep, KERNEL_CASES=B1_T32768,B8_T8192
     e2e)
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 python3 -m benchmarks.e2e_decode --pool-tokens "$E2E_POOL_TOKENS" \
-        --context "$E2E_CONTEXTS" --profile-steps 3 --out "$OUT/e2e_decode.json" ;;
+        --context "$E2E_CONTEXTS" --batch "$E2E_BATCHES" --profile-steps 3 --out "$OUT/e2e_decode.json" ;;
     e2e_top_p)
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 python3 -m benchmarks.e2e_decode --pool-tokens "$E2E_POOL_TOKENS" \
         --context 2048 --top-p 0.9 --profile-steps 3 --out "$OUT/e2e_decode_top_p.json" ;;
     peer)
-      python3 -m benchmarks.peers.hf_generate --context "$E2E_CONTEXTS" --steps 10 --deadline-s "${PEER_DEADLINE_S:-400}" \
+      python3 -m benchmarks.peers.hf_generate --context "$E2E_CONTEXTS" --batch "$E2E_BATCHES" --steps 10 --deadline-s "${PEER_DEADLINE_S:-400}" \
         --out "$OUT/hf.json"
       if [ -f "$OUT/e2e_decode.json" ]; then  # the comparison, into the e2e result
         python3 -m benchmarks.e2e_decode --from-json "$OUT/e2e_decode.json" --peer-json "$OUT/hf.json" --out "$OUT/e2e_decode.json"
