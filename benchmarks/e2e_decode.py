@@ -78,7 +78,7 @@ def fill_pool_with_noise(engine, seed: int = 0) -> None:
     the old pool lived until the rebind: on the H200 a 530,000-token pool (64.7 GiB beside 15 GiB
     of weights) peaked at 128.2 of 128.6 GiB while filling, 16 layers' noise failed to allocate,
     and the first decode step then stopped on an out-of-memory error. Each layer is waited for, so
-    that at most one layer's new buffer is in flight even where a donation cannot be used."""
+    that at most one layer's new K and V are in flight even where a donation cannot be used."""
     import jax
 
     from decodejax.cache import KVPool
