@@ -20,9 +20,11 @@ Weight bytes read = every parameter except the embedding table, plus the `batch`
 rows gathered (a tied head reads the table as the head). K/V bytes read = batch x context x
 layers x H_kv x D x 2 x itemsize.
 
-Each shape also replays its compiled step back to back (`replay_ms`): the device-bound step
-time, whose gap to ms per step is the engine's host work between steps. Each step's time in
-the runner's submit (pack and dispatch) and fetch (the wait for its tokens) is kept beside it.
+Each shape also replays its compiled step back to back (`replay_ms`, ten calls a sync), meant as
+the step without the engine's host work. It is not a floor of the engine's step: on the H200 it
+read 0.37 to 0.48 ms above the engine's median step at every shape (benchmarks/results/
+e2e_decode_23de416.json), for a reason not yet found. Each step's time in the runner's submit
+(pack and dispatch) and fetch (the wait for its tokens) is kept beside it.
 
 The requests decode greedily. With `--top-p P` they sample (temperature 1, nucleus P, seeded):
 each step then also dispatches the runner's sorting `resample_step`, which the replay leaves
