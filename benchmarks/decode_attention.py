@@ -304,10 +304,10 @@ def main(argv=None):
 
 def merge_runs(runs: list[dict]) -> dict:
     """One result from runs of the same machine, method and source commit over disjoint cases."""
-    merged = ({key: runs[0][key] for key in ("date", "machine", "method")} | {"source_commit": runs[0].get("source_commit")}
-              | {"cases": {}, "merged_from_dates": [r["date"] for r in runs]})
+    shared = ("machine", "method", "source_commit")  # source_commit: absent from runs before 3c7793f
+    merged = {"date": runs[0]["date"]} | {key: runs[0].get(key) for key in shared} | {"cases": {}, "merged_from_dates": [r["date"] for r in runs]}
     for run in runs:
-        if (run["machine"], run["method"], run.get("source_commit")) != (merged["machine"], merged["method"], merged["source_commit"]):
+        if any(run.get(key) != merged[key] for key in shared):
             raise ValueError(f"run of {run['date']} differs in machine, method or source commit from the run of {merged['date']}")
         for name, entry in run["cases"].items():
             if name in merged["cases"]:
