@@ -22,6 +22,7 @@
     python -m benchmarks.mosaic_probes mosaic_tiles OUT.json  # Mosaic tiles and plans at D 64 and 128
     python -m benchmarks.mosaic_probes depth OUT.json     # ring depth (bytes in flight per SM), and 132 programs' quantum
     python -m benchmarks.mosaic_probes rounds OUT.json    # fewer programs than SMs, so that every round is full
+    python -m benchmarks.mosaic_probes pair_heads OUT.json  # D 64: two K/V heads an item, or one (the earlier default)
 
 `layout`: are strided page copies (NHD rows are H_kv * D apart) what holds the kernel back?
 `configs`: do configs small enough for two programs per SM (80 KiB of shared memory) beat the
@@ -131,6 +132,10 @@ the last with 100 programs; B 32 and B 64 run 1.94 and 3.88. With 128 programs e
 full: is a call with 4 SMs idle throughout as fast as one with 32 idle in its last round (then
 the last round's SMs are not bandwidth the others take up, and balancing it would pay), and what
 do 64 and 96 programs cost? Host clock and inside one program.
+`pair_heads`: at D 64 the Mosaic kernel runs two K/V heads an item (`pairable_heads`), a block
+then holding D 128's bytes for one softmax; how does that compare with one head an item and the
+128-token tiles that were the D 64 default, at B 1 to 128 (H_kv 8, G 4)? Two turns each, host clock
+and inside one program, each output against the Triton kernel's.
 """
 
 from __future__ import annotations
@@ -276,6 +281,17 @@ def _tile_variants(k, v, case):
         variants["mgpu/target_x2"] = (mosaic, k, v, plan_patches(target_scale=2))
     wanted = os.environ.get("PROBE_VARIANTS")  # a regular expression: the variants to run (default all)
     return {name: spec for name, spec in variants.items() if not wanted or re.search(wanted, name)}
+
+
+def _pair_variants(k, v):
+    """At D 64, in turns: the Mosaic default (two K/V heads an item, D 128's tiles) and one head an item
+    with the 128-token tiles that were the D 64 default before it."""
+    from pallas_kernels.decode_attention_mgpu import MosaicDecodeConfig
+
+    mosaic = dict(backend="pallas_mosaic_gpu")
+    one_head = dict(mosaic, config=MosaicDecodeConfig(block_k=128, num_stages=4, compute_warpgroups=2))
+    return {f"mgpu/{name}#{turn}": (options, k, v, {}) for turn in (1, 2)
+            for name, options in (("paired", mosaic), ("one_head", one_head))}
 
 
 def _depth_variants(k, v, case):
@@ -492,13 +508,14 @@ def main(argv=None):
               "in_program": ((1, 32768), (8, 8192), (32, 4096), (128, 1024), (32, 4096, 64)),
               "triton_deal": ((1, 32768), (8, 8192), (32, 4096), (32, 4096, 64)),
               "merge_step": ((1, 2048), (8, 2048), (32, 512), (1, 32768), (8, 8192)),
-              "mosaic_call": (), "mosaic_tiles": (),
+              "mosaic_call": (), "mosaic_tiles": (), "pair_heads": ((1, 32768, 64), (8, 8192, 64), (128, 1024, 64)),
               "depth": ((8, 8192), (32, 4096), (33, 4096), (128, 1024), (132, 1024)), "rounds": ()}[question]
     cases = {"plans": list(bench_cases.CASES), "plan_configs": [c for c in bench_cases.CASES if c.name.startswith(
         ("B8_", "B32_", "B64_", "ragged", "d64"))], "programs": bench_cases.selected("ragged_B32_T1-16384"),
              "deal": bench_cases.selected("ragged_B32_T1-16384"),
              "triton_deal": bench_cases.selected("ragged_B32_T1-16384"), "mosaic_call": list(bench_cases.CASES),
              "mosaic_tiles": bench_cases.selected("B1_T32768,B8_T8192,B32_T4096,d64_B32_T4096"),
+             "pair_heads": bench_cases.selected("d64_B32_T4096"),
              "rounds": bench_cases.selected("B32_T4096,B64_T2048,B128_T1024,mha_B32_T4096")}.get(question, [])
     for batch, length, *rest in shapes:
         head_dim, kv_heads = (rest + [128, 8][len(rest):])[:2]  # defaults: D 128, 8 K/V heads
@@ -634,6 +651,8 @@ def main(argv=None):
             variants.update(_bottleneck_variants(k, v))
         elif question == "compiler":
             variants.update(_compiler_variants(k, v))
+        elif question == "pair_heads":
+            variants.update(_pair_variants(k, v))
         elif question == "deal":
             variants.update(_deal_variants(k, v))
         elif question == "triton_deal":
@@ -659,11 +678,11 @@ def main(argv=None):
                     out[f"{case.name}/{name}"] = {"error": f"{type(e).__name__}: {str(e)[:2000]}"}
                     print(f"{case.name} {name} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
                     continue
-                if question == "compiler":  # triton/nhd comes first: the others against its output
+                if question in ("compiler", "pair_heads"):  # triton/nhd comes first: the others against its output
                     o = np.asarray(fn(q, k_pool, v_pool, table, lens), np.float32)
                     triton_out = o if triton_out is None else triton_out
                     stats["max_abs_diff_vs_triton"] = float(np.max(np.abs(o - triton_out)))
-                if question in ("triton_deal", "mosaic_call", "mosaic_tiles", "depth", "rounds"):
+                if question in ("triton_deal", "mosaic_call", "mosaic_tiles", "depth", "rounds", "pair_heads"):
                     stats["in_program"] = summarize(time_in_program(fn, q, k_pool, v_pool, table, lens), bench_cases.kv_bytes(case))
                     stats["in_program_median_us"] = stats["in_program"]["median_us"]
                 if question == "plans":  # as inside a jitted program: no dispatch per call

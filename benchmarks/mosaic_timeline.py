@@ -134,7 +134,7 @@ def main(argv=None):
     import decodejax
     from benchmarks import cases as bench_cases
     from decodejax import evidence
-    from pallas_kernels.decode_attention_mgpu import default_config
+    from pallas_kernels import decode_attention_mgpu
 
     args = list(sys.argv[1:] if argv is None else argv)
     counts = {"--calls": 3, "--runs": 1, "--chain": 0}
@@ -151,7 +151,9 @@ def main(argv=None):
         q, k, v = (jnp.asarray(data[n], jnp.bfloat16) for n in ("q", "k_pages", "v_pages"))
         table, lens = jnp.asarray(data["page_table"]), jnp.asarray(data["seq_lens"])
         trace_dir = tempfile.mkdtemp(prefix="decodejax_timeline_")
-        config = dataclasses.replace(default_config(case.head_dim), profile_dir=trace_dir)
+        default, _, _ = decodejax._ops.kernel_items(decode_attention_mgpu, None, case.head_dim, case.kv_heads,
+                                                    case.q_heads // case.kv_heads, decodejax.KVLayout.PAGED_NHD)
+        config = dataclasses.replace(default, profile_dir=trace_dir)
         summaries = []
         if chain:
             configs = [dataclasses.replace(config, profile_dir=tempfile.mkdtemp(dir=trace_dir)) for _ in range(chain)]

@@ -96,6 +96,20 @@ def _validate_paged_args(q, k_pages, v_pages, page_table, seq_lens, cache_batch_
                         lens_name=lens_name)
 
 
+def kernel_items(kernel, config, head_dim: int, kv_heads: int, group: int, layout: KVLayout):
+    """(config, K/V heads, head dim) of a decode kernel's work items: `config`, or the kernel's default
+    where it is None, and the geometry its items see. The Mosaic kernel may run two K/V heads an item
+    (`decode_attention_mgpu.item_geometry`), and its plan then counts pairs of heads of twice the
+    head dim; the Triton kernel's items are single heads."""
+    from pallas_kernels import decode_attention_mgpu
+
+    if kernel is not decode_attention_mgpu:
+        return (kernel.default_config(head_dim) if config is None else config), kv_heads, head_dim
+    if config is None:
+        config = kernel.default_config(head_dim, pairable=kernel.pairable_heads(head_dim, kv_heads, group, layout))
+    return (config, *kernel.item_geometry(config, head_dim, kv_heads, group, layout))
+
+
 def decode_plan(
     batch: int, kv_heads: int, max_len: int, tiling, *, num_splits: int | None, deterministic: bool, head_dim: int = 128
 ) -> planning.SplitPlan:
@@ -224,8 +238,9 @@ def _attention_pallas(q, k_pages, v_pages, page_table, seq_lens, *, layout, cach
     config_type = decode_attention_mgpu.MosaicDecodeConfig if mosaic else decode_attention.DecodeConfig
     if config is not None and not isinstance(config, config_type):
         raise ValueError(f"config={config!r} does not configure this backend's kernel (a {config_type.__name__})")
-    config = kernel.default_config(D) if config is None else config
-    plan = decode_plan(B, H_kv, page_table.shape[1] * P, config, num_splits=num_splits, deterministic=deterministic, head_dim=D)
+    config, item_heads, item_dim = kernel_items(kernel, config, D, H_kv, H_q // H_kv, layout)
+    plan = decode_plan(B, item_heads, page_table.shape[1] * P, config, num_splits=num_splits, deterministic=deterministic,
+                       head_dim=item_dim)
     seq_lens, page_table = seq_lens.astype(jnp.int32), page_table.astype(jnp.int32)
     cache_rows = None if cache_batch_idx is None else cache_batch_idx.astype(jnp.int32)
     options = dict(layout=layout, sm_scale=sm_scale, soft_cap=None if soft_cap is None else float(soft_cap), mask=mask,
@@ -233,7 +248,7 @@ def _attention_pallas(q, k_pages, v_pages, page_table, seq_lens, *, layout, cach
     if mosaic:  # the Mosaic path keeps clear of Triton: XLA fuses the (small) merge
         # A one-slot plan's state is the call's output, which the kernel writes in q's dtype where it can.
         final = (plan.capacity == 1 and not return_partial_states
-                 and config.staged_output_fits(D, q.dtype.itemsize, q.dtype.itemsize))
+                 and config.staged_output_fits(item_dim, q.dtype.itemsize, q.dtype.itemsize))
         part_o, part_lse = kernel.paged_decode_partials(q, k_pages, v_pages, page_table, seq_lens, cache_rows, plan=plan,
                                                         num_sms=_num_sms(), out_dtype=q.dtype if final else jnp.float32,
                                                         **options)

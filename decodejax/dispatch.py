@@ -222,8 +222,11 @@ def _mosaic_decode_reasons(key: DispatchKey, *, need_gpu: bool) -> list[str]:
     if key.phase != "decode" or key.q_len != 1:
         r.append(f"phase={key.phase}, q_len={key.q_len}: decode (one query row) only")
     r += _paged_attention_reasons(key) + _operand_reasons(key)
-    r += kernel.supports(key.page_size or 0, key.head_dim_v, key.num_q_heads // key.num_kv_heads, key.kv_dtype,
-                         kernel.default_config(key.head_dim_v))
+    group = key.num_q_heads // key.num_kv_heads
+    layout = KVLayout(key.cache_layout)
+    config = kernel.default_config(key.head_dim_v, pairable=kernel.pairable_heads(key.head_dim_v, key.num_kv_heads, group, layout))
+    item_heads, item_dim = kernel.item_geometry(config, key.head_dim_v, key.num_kv_heads, group, layout)  # what its items see
+    r += kernel.supports(key.page_size or 0, item_dim, key.num_q_heads // item_heads, key.kv_dtype, config)
     if need_gpu and key.compute_capability is not None and float(key.compute_capability) < 9.0:
         r.append(f"compute capability {key.compute_capability} < 9.0 (wgmma and TMA are Hopper's)")
     return r
@@ -503,9 +506,10 @@ class DecodePlan:
         # The split capacity the selected kernel's own auto plan has (the Triton kernel's for a
         # backend without splits, whose runs ignore it).
         kernel = decode_attention_mgpu if selected.startswith("pallas_mosaic_gpu") else decode_attention
-        split = _ops.decode_plan(proj["batch"], proj["num_kv_heads"], proj["table_width"] * proj["page_size"],
-                                 kernel.default_config(proj["head_dim"]), num_splits=num_splits, deterministic=deterministic,
-                                 head_dim=proj["head_dim"])
+        config, item_heads, item_dim = _ops.kernel_items(kernel, None, proj["head_dim"], proj["num_kv_heads"],
+                                                         proj["num_q_heads"] // proj["num_kv_heads"], layout)
+        split = _ops.decode_plan(proj["batch"], item_heads, proj["table_width"] * proj["page_size"], config,
+                                 num_splits=num_splits, deterministic=deterministic, head_dim=item_dim)
         return DecodePlan(**proj, split_capacity=split.capacity, backend=selected)
 
     def check(self, q, k_pages, page_table, layout: KVLayout, bucket_mode: bool = False) -> None:

@@ -118,6 +118,8 @@ class MosaicDecodeConfig:
       profile_dir: where Mosaic GPU's profiler writes a trace of every program's phases (the
         named scopes of `_decode_body`), one file per compile: `benchmarks/mosaic_timeline.py`
         reads them. None: no profiling (the scopes then lower to nothing).
+      pair_heads: two K/V heads to an item where the call allows it (`item_geometry`): the
+        tiles are then those of twice the head dim.
     """
 
     block_k: int = 64
@@ -125,6 +127,7 @@ class MosaicDecodeConfig:
     compute_warpgroups: int = 2
     programs: int | None = None
     profile_dir: str | None = None
+    pair_heads: bool = False
 
     def _bytes(self, head_dim: int, itemsize: int, q_buffers: int, out_itemsize: int | None = None) -> int:
         """Shared memory of the kernel; out_itemsize: with the staged output's tiles in that many
@@ -211,9 +214,10 @@ def balanced_programs(num_items: int, capacity: int) -> int:
     return -(-num_items // rounds)
 
 
-def default_config(head_dim: int) -> MosaicDecodeConfig:
-    """Two compute warpgroups; 64-token blocks in four ring slots (two at D = 256, for shared memory),
-    128-token blocks at D = 64.
+def default_config(head_dim: int, *, pairable: bool = False) -> MosaicDecodeConfig:
+    """Two compute warpgroups; 64-token blocks in four ring slots (two at D = 256, for shared memory).
+    At D = 64: two K/V heads to an item where the call allows it (pairable, `pairable_heads`), with
+    D = 128's tiles; else 128-token blocks.
 
     On the H200 (D = 128, benchmarks/results/decode_attention_mgpu_sweep.json, one program per
     work item then) six slots were within 5% at B 8 to 128 and 13% slower at B 1; one compute
@@ -224,8 +228,35 @@ def default_config(head_dim: int) -> MosaicDecodeConfig:
     program, while at D 128 they were 53% slower at B 32; a third compute warpgroup was slower than
     two at D 128 and than these tiles at D 64 (results/probe_mosaic_tiles_ac2f871.json)."""
     if head_dim == 64:
+        if pairable:
+            return dataclasses.replace(default_config(2 * head_dim), pair_heads=True)
         return MosaicDecodeConfig(block_k=128, num_stages=4, compute_warpgroups=2)
     return MosaicDecodeConfig(block_k=64, num_stages=4 if head_dim <= 128 else 2, compute_warpgroups=2)
+
+
+def pairable_heads(head_dim: int, kv_heads: int, group: int, layout: KVLayout) -> bool:
+    """Whether two K/V heads can share a work item: D 64 in a PAGED_NHD pool (heads 2i and 2i + 1 of
+    a token are then one contiguous row of 128, so the pool is a pool of H_kv / 2 heads of D 128, a
+    free reshape), an even H_kv, and both heads' 2G query rows in one 8-row query tile.
+
+    The item's query tile is block-diagonal: the 8-row tile of q that holds the pair's rows sits in
+    rows 0-7 at columns 0-63 and again in rows 8-15 at columns 64-127, zeros elsewhere. Its scores
+    against the pair's keys [k_2i | k_2i+1] are then q . k_2i in rows 0-7 and q . k_2i+1 in rows
+    8-15; head 2i's rows of the first half and head 2i+1's of the second are the item's, and their
+    products with [v_2i | v_2i+1] are read in columns 0-63 and 64-127. Rows never mix, so each
+    head's softmax is its own. A block then carries D 128's bytes for the same softmax (at D 64 the
+    kernel is bound by its softmax, `default_config`), and half as many items stream the pool."""
+    return head_dim == 64 and layout is KVLayout.PAGED_NHD and kv_heads % 2 == 0 and 2 * group <= QUERY_ROWS
+
+
+def item_geometry(config: MosaicDecodeConfig, head_dim: int, kv_heads: int, group: int, layout: KVLayout) -> tuple[int, int]:
+    """(K/V heads, head dim) as the kernel's work items see the pool: (H_kv / 2, 2 D) where the config
+    asks for pairs (pair_heads), the call allows them (`pairable_heads`) and the paired tiles stage
+    the output in any dtype (f32 the largest); else (H_kv, D). Plans and shared memory follow it."""
+    if (config.pair_heads and pairable_heads(head_dim, kv_heads, group, layout)
+            and config.staged_output_fits(2 * head_dim, 2, 4)):
+        return kv_heads // 2, 2 * head_dim
+    return kv_heads, head_dim
 
 
 def supports(page_size: int, head_dim: int, group: int, dtype, config: MosaicDecodeConfig) -> list[str]:
@@ -372,8 +403,8 @@ def _decode_body(
     end_ref,  # i32[B, S]
     order_ref,  # i32[B * S]: the splits b * S + s, longest first; None (with the bounds): in index order
     o_ref,  # [B, H_q, S, D] in the output's dtype through stage_smem, else f32[B, H_kv, S, QUERY_ROWS, D] (query tiles)
-    lse_ref,  # f32[B, H_kv, S, QUERY_ROWS]: the lse of the 8-row query tile that holds (b, h)'s rows
-    q_smem,  # [q_buffers, 64, D]: the query rows of the current (and next) work item
+    lse_ref,  # f32[B, H_kv, S, QUERY_ROWS]: the lse of the 8-row query tile that holds (b, h)'s rows (paired: 2 x 8)
+    q_smem,  # [q_buffers, 64, D]: the query rows of the current (and next) work item; paired, block-diagonal
     k_smem,  # [num_stages, block_k, D]: the K/V ring
     v_smem,
     state_smem,  # f32[max(1, W - 1), 64, D], tiled and swizzled: the other warpgroups' states; [0] then the
@@ -388,9 +419,11 @@ def _decode_body(
     handoff_barrier,  # the other compute warpgroups' states are in shared memory
     handoff_free_barrier,  # the merger has read them and the output copies have left shared memory
     out_smem,  # [64, D] in o_ref's dtype: the output tile; or None (then so is stage_smem)
-    stage_smem,  # [QUERY_ROWS, D] in o_ref's dtype: the item's query tile's rows on their way out
+    stage_smem,  # [QUERY_ROWS, D] in o_ref's dtype: the item's query tile's rows on their way out; paired,
+    # [2, QUERY_ROWS, D / 2]: each head's half
     *,
-    group: int,
+    group: int,  # query rows of an item: 2G where paired
+    paired: bool,  # two K/V heads an item (`pairable_heads`): the pool's heads are pairs, D is 2 x 64
     q_row_stride: int,
     plan: SplitPlan,  # its capacity is the slots per request, S
     programs: int,
@@ -506,7 +539,12 @@ def _decode_body(
             def _load_query():
                 pl.when(live >= q_buffers)(lambda: plgpu.barrier_wait(q_free_barriers.at[buffer]))
                 tile, _ = query_tile(b, h)
-                plgpu.copy_gmem_to_smem(q_ref.at[tile], q_smem.at[buffer, pl.ds(0, QUERY_ROWS)], q_barriers.at[buffer])
+                if paired:  # the tile on the diagonal: rows 0-7 against the first head's keys, 8-15 the second's
+                    for half in range(2):
+                        quarter = q_smem.at[buffer, pl.ds(half * QUERY_ROWS, QUERY_ROWS), pl.ds(half * d // 2, d // 2)]
+                        plgpu.copy_gmem_to_smem(q_ref.at[tile], quarter, q_barriers.at[buffer])
+                else:
+                    plgpu.copy_gmem_to_smem(q_ref.at[tile], q_smem.at[buffer, pl.ds(0, QUERY_ROWS)], q_barriers.at[buffer])
 
             def block(j, carry):
                 g, pages = carry
@@ -534,6 +572,13 @@ def _decode_body(
                                   lambda _, pages: block_pages(next_b, next_end, next_first_block, 0), pages)
             return g, live + written(num_blocks).astype(jnp.int32), following, pages
 
+        if paired:
+            # Off the diagonal the query tile is 0, once for all items: the copies write only the
+            # diagonal. (The stores reach the MMAs' async proxy and every thread's rows are in before
+            # the first copy's arrival releases them.)
+            for buffer in range(q_buffers):
+                q_smem[buffer] = _laid_out(jnp.zeros(q_smem.shape[1:], q_smem.dtype), plgpu.Layout.WGMMA, interpret=interpret)
+            plgpu.commit_smem()
         with jax.named_scope("first_pages"):
             first = work_item(0)
             first_b, _, _, _, first_end, first_item_block, _ = first
@@ -607,16 +652,28 @@ def _decode_body(
         else:
             out_smem[...] = o.astype(out_smem.dtype)
             plgpu.commit_smem()
-            stage_smem[...] = _load(out_smem.at[pl.ds(0, QUERY_ROWS)], _eight_rows(out_smem.dtype), interpret=interpret,
-                                    optimized=False)
+            if paired:  # each head's quarter of the diagonal: rows 0-7 of columns 0-63, rows 8-15 of 64-127
+                for half in range(2):
+                    quarter = out_smem.at[pl.ds(half * QUERY_ROWS, QUERY_ROWS), pl.ds(half * d // 2, d // 2)]
+                    stage_smem[half] = _load(quarter, _eight_rows(out_smem.dtype), interpret=interpret, optimized=False)
+            else:
+                stage_smem[...] = _load(out_smem.at[pl.ds(0, QUERY_ROWS)], _eight_rows(out_smem.dtype), interpret=interpret,
+                                        optimized=False)
             plgpu.commit_smem()
             _, offset = query_tile(b, h)
             for first in range(0, QUERY_ROWS - group + 1, group):  # static slices: a dynamic row offset does not lower
 
                 @pl.when(offset == first)
                 def _copy_rows(first=first):
-                    plgpu.copy_smem_to_gmem(stage_smem.at[pl.ds(first, group)], o_ref.at[b, pl.ds(h * group, group), s])
-        plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(0, QUERY_ROWS)], lse_ref.at[b, h, s])
+                    if paired:  # the first head's G rows of its quarter, the second's next G of its own
+                        g = group // 2
+                        for half in range(2):
+                            rows = stage_smem.at[half, pl.ds(first + half * g, g)]
+                            plgpu.copy_smem_to_gmem(rows, o_ref.at[b, pl.ds(h * group + half * g, g), s])
+                    else:
+                        plgpu.copy_smem_to_gmem(stage_smem.at[pl.ds(first, group)], o_ref.at[b, pl.ds(h * group, group), s])
+        lse_rows = 2 * QUERY_ROWS if paired else QUERY_ROWS  # paired: both halves of the diagonal
+        plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(0, lse_rows)], lse_ref.at[b, h, s])
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     rotating = compute_wgs == 2  # whether the merger changes from item to item (`item_merger`)
@@ -761,11 +818,15 @@ def _query_rows(q: jax.Array, kv_heads: int) -> tuple[jax.Array, int]:
     return padded.reshape(B * kv_heads, QUERY_ROWS, D), QUERY_ROWS
 
 
-def _item_rows(tiles: jax.Array, group: int, q_row_stride: int) -> jax.Array:
-    """[B, H_kv, S, 8, ...], each item's query tile -> [B, H_q, S, ...], the item's own G rows."""
+def _item_rows(tiles: jax.Array, group: int, q_row_stride: int, paired: bool = False) -> jax.Array:
+    """[B, H_kv, S, 8, ...], each item's query tile -> [B, H_q, S, ...], the item's own `group` rows.
+    Paired ([B, H_kv / 2, S, 16, ...], the diagonal's two halves): the first head's G = group / 2
+    rows of the first half, and the second head's, G rows further, of the second."""
     B, H_kv, S, _, *rest = tiles.shape
     first = (np.arange(B)[:, None] * H_kv + np.arange(H_kv)[None, :]) * q_row_stride  # [B, H_kv]
-    rows = (first % QUERY_ROWS)[:, :, None] + np.arange(group)  # [B, H_kv, G]
+    g = group // 2
+    local = np.concatenate([np.arange(g), QUERY_ROWS + g + np.arange(g)]) if paired else np.arange(group)
+    rows = (first % QUERY_ROWS)[:, :, None] + local  # [B, H_kv, group]
     picked = tiles[np.arange(B)[:, None, None], np.arange(H_kv)[None, :, None], :, rows]  # [B, H_kv, G, S, ...]
     return picked.reshape(B, H_kv * group, S, *rest)
 
@@ -806,17 +867,24 @@ def paged_decode_partials(
     hands the states on zeroes it (on the H200 the zeroing here was a kernel of its own at B 1,
     2.3 us).
 
+    At D 64 with `config.pair_heads` an item is two K/V heads where the pool allows it
+    (`pairable_heads`); `plan` then counts their pairs (`item_geometry`, as `_ops.kernel_items`).
+
     Shapes and dtypes are checked by the public op `decodejax.decode_attention` and admission
     (`supports`); this wrapper only checks what the kernel itself assumes.
     """
     B, H_q, D = q.shape
-    _, P, H_kv, _ = pool_geometry(k_pages, layout)
+    num_pages, P, H_kv, _ = pool_geometry(k_pages, layout)
+    H_kv, D_item = item_geometry(config, D, H_kv, H_q // H_kv, layout)  # the heads and head dim of an item
+    paired = D_item != D  # two K/V heads an item (`pairable_heads`)
+    if paired:  # heads 2i and 2i + 1 of a token are one contiguous row: a free reshape
+        k_pages, v_pages = (x.reshape(num_pages, P, H_kv, D_item) for x in (k_pages, v_pages))
     group = H_q // H_kv
-    reasons = supports(P, D, group, k_pages.dtype, config)
+    reasons = supports(P, D_item, group, k_pages.dtype, config)
     if reasons:
         raise ValueError(f"the Mosaic GPU decode kernel cannot run this call: {reasons}")
     out_dtype = jnp.dtype(out_dtype)
-    staged = config.staged_output_fits(D, q.dtype.itemsize, out_dtype.itemsize)
+    staged = config.staged_output_fits(D_item, q.dtype.itemsize, out_dtype.itemsize)
     if out_dtype != jnp.float32 and not staged:
         raise ValueError(f"out_dtype={out_dtype.name}: no shared memory left to stage it at head_dim={D}")
     S = plan.capacity
@@ -833,9 +901,9 @@ def paged_decode_partials(
     split_start, split_end = plan.bounds(seq_lens) if bounds_given else (None, None)
     order = split_order(split_start, split_end, config.block_k) if dealt else None
     q_rows, q_row_stride = _query_rows(q, H_kv)
-    ring = (config.num_stages, config.block_k, D)
+    ring = (config.num_stages, config.block_k, D_item)
     body = functools.partial(
-        _decode_body, group=group, q_row_stride=q_row_stride, plan=plan, programs=programs,
+        _decode_body, group=group, paired=paired, q_row_stride=q_row_stride, plan=plan, programs=programs,
         kv_heads=H_kv, num_items=num_items, page_size=P, layout=layout, block_k=config.block_k,
         num_stages=config.num_stages, compute_wgs=config.compute_warpgroups, sm_scale=sm_scale, soft_cap=soft_cap,
         mask=mask, interpret=interpret,
@@ -850,7 +918,7 @@ def paged_decode_partials(
         extra["interpret"] = InterpretGPUParams(detect_races=True, out_of_bounds_reads="raise")
     copies_per_block = max(1, config.block_k // P)
     handoffs = config.handoffs
-    q_buffers = config.q_buffers(D, q.dtype.itemsize, out_dtype.itemsize if staged else None)
+    q_buffers = config.q_buffers(D_item, q.dtype.itemsize, out_dtype.itemsize if staged else None)
     profile = {}
     if config.profile_dir:  # room for every scope a program enters: two, and four an item
         profile = dict(profile_space=8 + 4 * -(-num_items // programs), profile_dir=config.profile_dir)
@@ -858,17 +926,17 @@ def paged_decode_partials(
         _without_absent_inputs(body, inputs),
         out_type=(
             jax.ShapeDtypeStruct((B, H_q, S, D) if staged else (B, H_kv, S, QUERY_ROWS, D), out_dtype),
-            jax.ShapeDtypeStruct((B, H_kv, S, QUERY_ROWS), jnp.float32),
+            jax.ShapeDtypeStruct((B, H_kv, S, 2 * QUERY_ROWS if paired else QUERY_ROWS), jnp.float32),
         ),
         scratch_types=[
-            plgpu.SMEM((q_buffers, WGMMA_ROWS, D), q.dtype, transforms=_tiled(q.dtype)),
+            plgpu.SMEM((q_buffers, WGMMA_ROWS, D_item), q.dtype, transforms=_tiled(q.dtype)),
             plgpu.SMEM(ring, k_pages.dtype, transforms=_tiled(k_pages.dtype)),
             plgpu.SMEM(ring, v_pages.dtype, transforms=_tiled(v_pages.dtype)),
             # Tiled and swizzled, as the output's tile: a warp's WGMMA-layout access of f32 to an
             # untiled tile of D floats a row puts its 8 rows on the same 8 banks.
-            plgpu.SMEM((handoffs, WGMMA_ROWS, D), jnp.float32, transforms=_tiled(jnp.float32)),
+            plgpu.SMEM((handoffs, WGMMA_ROWS, D_item), jnp.float32, transforms=_tiled(jnp.float32)),
             plgpu.SMEM((config.row_vectors(), handoffs, WGMMA_ROWS), jnp.float32),
-            plgpu.Barrier(num_barriers=q_buffers),
+            plgpu.Barrier(num_arrivals=2 if paired else 1, num_barriers=q_buffers),  # paired: the tile's two copies
             plgpu.Barrier(num_arrivals=config.compute_warpgroups, num_barriers=q_buffers),
             plgpu.Barrier(num_arrivals=copies_per_block, num_barriers=config.num_stages),
             plgpu.Barrier(num_arrivals=copies_per_block, num_barriers=config.num_stages),
@@ -876,7 +944,8 @@ def paged_decode_partials(
             plgpu.Barrier(num_barriers=config.num_stages),
             plgpu.Barrier(num_arrivals=handoffs),
             plgpu.Barrier(),
-        ] + ([plgpu.SMEM((WGMMA_ROWS, D), out_dtype, transforms=_tiled(out_dtype)), plgpu.SMEM((QUERY_ROWS, D), out_dtype)] if staged else []),
+        ] + ([plgpu.SMEM((WGMMA_ROWS, D_item), out_dtype, transforms=_tiled(out_dtype)),
+              plgpu.SMEM((2, QUERY_ROWS, D) if paired else (QUERY_ROWS, D), out_dtype)] if staged else []),
         compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=0, **profile),  # SHARED_MEMORY_BUDGET counts none
         grid=(programs,),
         grid_names=("program",),
@@ -886,7 +955,7 @@ def paged_decode_partials(
         **extra,
     )
     o, lse = kernel(*(x for x in inputs if x is not None))
-    lse = _item_rows(lse, group, q_row_stride)
+    lse = _item_rows(lse, group, q_row_stride, paired)
     o = o if staged else _item_rows(o, group, q_row_stride)
     if not bounds_given:
         return o, lse

@@ -267,8 +267,9 @@ def test_deal_probe_deals_in_index_order_and_leaves_every_output_as_it_was():
     args = {name: jnp.asarray(x, jnp.bfloat16 if x.dtype == np.float32 else x.dtype) for name, x in problem.items()}
     variants = _deal_variants(None, None)
     deal = variants["mgpu/index_order"][3][(kernel, "split_order")]
-    plan = decodejax._ops.decode_plan(3, 2, spec.width * spec.page_size, kernel.default_config(64), num_splits=2,
-                                      deterministic=False, head_dim=64)
+    config, item_heads, item_dim = decodejax._ops.kernel_items(kernel, None, 64, 2, 2, decodejax.KVLayout.PAGED_NHD)  # a pair
+    plan = decodejax._ops.decode_plan(3, item_heads, spec.width * spec.page_size, config, num_splits=2, deterministic=False,
+                                      head_dim=item_dim)
     start, end = (jnp.asarray(x) for x in plan.bounds(problem["seq_lens"]))
     np.testing.assert_array_equal(np.asarray(deal(start, end, 64)), np.arange(6))
     assert not np.array_equal(np.asarray(kernel.split_order(start, end, 64)), np.arange(6))  # blocks [2, 1, 1, 0, 1, 0]

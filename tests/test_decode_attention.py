@@ -162,11 +162,13 @@ class DecodeAttentionCases:
     plan_spec = Spec(batch=4, q_heads=16, kv_heads=8, head_dim=64, page_size=16, width=200)
     plan_lengths = (3200, 3100, 2900, 1500)
 
-    def kernel_config(self, head_dim: int):
-        """The kernel's default tiling, which its plan's alignment and split target follow."""
-        from pallas_kernels.decode_attention import default_config
+    def kernel_items(self, spec: Spec):
+        """(config, K/V heads, head dim) of the kernel's work items on spec's NHD pool: its default
+        tiling and the geometry its plan's alignment and split target follow (`_ops.kernel_items`)."""
+        from pallas_kernels import decode_attention
 
-        return default_config(head_dim)
+        return decodejax._ops.kernel_items(decode_attention, None, spec.head_dim, spec.kv_heads, spec.q_heads // spec.kv_heads,
+                                           KVLayout.PAGED_NHD)
 
     @pytest.mark.parametrize("plan_options", [{}, {"num_splits": 3}, {"deterministic": True}, {"max_split_tokens": 128}],
                              ids=["auto", "splits=3", "deterministic", "auto_capped"])
@@ -183,10 +185,10 @@ class DecodeAttentionCases:
         args = to_device(problem, jnp.bfloat16)
         _, _, parts = decodejax.decode_attention(**args, return_lse=True, return_partial_states=True, backend=self.backend,
                                                  **plan_options)
-        config = self.kernel_config(spec.head_dim)
-        plan = decodejax._ops.decode_plan(spec.batch, spec.kv_heads, spec.width * spec.page_size, config,
+        config, item_heads, item_dim = self.kernel_items(spec)
+        plan = decodejax._ops.decode_plan(spec.batch, item_heads, spec.width * spec.page_size, config,
                                           num_splits=plan_options.get("num_splits"),
-                                          deterministic=plan_options.get("deterministic", False), head_dim=spec.head_dim)
+                                          deterministic=plan_options.get("deterministic", False), head_dim=item_dim)
         start, end = plan.bounds(np.asarray(problem["seq_lens"]))
         assert parts.lse.shape == (spec.batch, spec.q_heads, plan.capacity)
         if not plan_options and self.plan_spec is DecodeAttentionCases.plan_spec:  # the cases the kernel's batch sum serves
@@ -374,10 +376,42 @@ class MosaicDecodeAttentionCases(DecodeAttentionCases):
         np.testing.assert_array_equal(np.asarray(together.o[2:]), np.asarray(alone.o))
         np.testing.assert_array_equal(np.asarray(together.lse[2:]), np.asarray(alone.lse))
 
-    def kernel_config(self, head_dim: int):
+    def kernel_items(self, spec: Spec):
+        from pallas_kernels import decode_attention_mgpu
+
+        return decodejax._ops.kernel_items(decode_attention_mgpu, None, spec.head_dim, spec.kv_heads,
+                                           spec.q_heads // spec.kv_heads, KVLayout.PAGED_NHD)
+
+    def test_hnd_layout_matches_nhd(self):
+        """HND addressing against NHD addressing, bit for bit, with the same arithmetic: one K/V head
+        an item on both (an NHD pool at D 64 runs two heads an item by default, `pairable_heads`,
+        which an HND pool cannot; the paired kernel is checked against the oracle)."""
         from pallas_kernels.decode_attention_mgpu import default_config
 
-        return default_config(head_dim)
+        one_head = default_config(self.spec.head_dim, pairable=False)
+        problem = make_problem(self.spec, np.random.default_rng(5))
+        o_nhd, lse_nhd = self.run(to_device(problem, jnp.bfloat16), config=one_head)
+        o_hnd, lse_hnd = self.run(to_device(problem, jnp.bfloat16, KVLayout.PAGED_HND), layout=KVLayout.PAGED_HND, config=one_head)
+        np.testing.assert_array_equal(np.asarray(o_nhd, np.float32), np.asarray(o_hnd, np.float32))
+        np.testing.assert_array_equal(np.asarray(lse_nhd), np.asarray(lse_hnd))
+
+    @pytest.mark.parametrize("q_heads,lengths,num_splits", [(8, (150, 0, 37), 1), (4, (150, 37), 2), (6, (70, 129), 1)],
+                             ids=["G4-one_slot", "G2-two_slots", "G3-padded_rows"])
+    def test_paired_kv_heads_match_oracle(self, q_heads, lengths, num_splits):
+        """Two K/V heads an item (D 64, NHD, H_kv 2): the block-diagonal query tile and each head's
+        quarter of the output. G 4 fills the 8-row tile with the pair's rows; at G 2 the second
+        request's pair sits at row 4 of a tile shared with the first's; G 3's 6 rows are padded to
+        a tile of their own. One slot writes the call's output in bf16 (an empty request's too), two
+        write f32 partial states (the short request's second slot EMPTY) that the wrapper merges."""
+        from pallas_kernels.decode_attention_mgpu import default_config, item_geometry
+
+        spec = Spec(batch=len(lengths), q_heads=q_heads, kv_heads=2, head_dim=64, page_size=16, width=10, remap=True)
+        assert item_geometry(default_config(64, pairable=True), 64, 2, q_heads // 2, KVLayout.PAGED_NHD) == (1, 128)
+        problem = make_problem(spec, np.random.default_rng(23), lengths=lengths)
+        args = to_device(problem, jnp.bfloat16)
+        o, lse = self.run(args, num_splits=num_splits)
+        ref_o, ref_lse = oracle(args, KVLayout.PAGED_NHD)
+        assert_matches_oracle(o, lse, ref_o, ref_lse, "bfloat16", problem["seq_lens"])
 
 
 class TestMosaicDecodeAttentionInterpret(MosaicDecodeAttentionCases):
@@ -387,7 +421,7 @@ class TestMosaicDecodeAttentionInterpret(MosaicDecodeAttentionCases):
     the CI machine), so its problems have few programs: one K/V head, few requests."""
 
     backend = "pallas_mosaic_gpu_interpret"
-    spec = Spec(batch=3, q_heads=4, kv_heads=1, head_dim=64, page_size=16, width=6, remap=True)
+    spec = Spec(batch=3, q_heads=8, kv_heads=2, head_dim=64, page_size=16, width=6, remap=True)  # two K/V heads an item
     deterministic_spec = Spec(batch=3, q_heads=2, kv_heads=1, head_dim=64, page_size=16, width=80)
     deterministic_lengths = (1100, 0, 1025)
     deterministic_rows = (0, 2)
@@ -630,6 +664,33 @@ def test_mosaic_staged_output_takes_its_tiles_from_the_query_buffers_before_goin
     assert not d256.staged_output_fits(256, 2, 2) and d256.shared_memory_bytes(256, 2) <= SHARED_MEMORY_BUDGET
     # 64 x 128 f32 states + their m and l, two query tiles, four slots of K and V: 64-token blocks
     assert d128.shared_memory_bytes(128, 2) == 32768 + 512 + 2 * 16384 + 2 * 4 * 16384
+
+
+def test_mosaic_pairs_kv_heads_only_where_the_pool_allows():
+    """Two K/V heads an item need D 64 in an NHD pool (a pair's rows contiguous), an even H_kv and
+    the pair's 2G query rows in one 8-row tile; the op's plan then counts pairs of D 128, and
+    admission checks the paired tiles."""
+    from pallas_kernels import decode_attention_mgpu as mgpu
+
+    nhd, hnd = KVLayout.PAGED_NHD, KVLayout.PAGED_HND
+    assert mgpu.pairable_heads(64, 8, 4, nhd)
+    assert not any([mgpu.pairable_heads(64, 8, 4, hnd), mgpu.pairable_heads(64, 7, 1, nhd), mgpu.pairable_heads(64, 4, 8, nhd),
+                    mgpu.pairable_heads(128, 8, 4, nhd)])
+    paired = mgpu.default_config(64, pairable=True)
+    assert paired == dataclasses.replace(mgpu.default_config(128), pair_heads=True)
+    assert mgpu.item_geometry(paired, 64, 8, 4, nhd) == (4, 128)
+    assert mgpu.item_geometry(paired, 64, 8, 4, hnd) == (8, 64)  # asked for, but the pool cannot
+    assert mgpu.item_geometry(mgpu.default_config(64), 64, 8, 4, nhd) == (8, 64)  # not asked for
+    assert decodejax._ops.kernel_items(mgpu, None, 64, 8, 4, nhd) == (paired, 4, 128)
+    assert decodejax._ops.kernel_items(mgpu, None, 64, 8, 4, hnd) == (mgpu.default_config(64), 8, 64)
+    key = decodejax.dispatch.DispatchKey(
+        device_type="gpu", compute_capability="9.0", operation="attention", phase="decode", q_dtype="bfloat16",
+        kv_dtype="bfloat16", q_len=1, kv_len=4096, num_q_heads=32, num_kv_heads=8, head_dim_qk=64, head_dim_v=64,
+        cache_layout=nhd.value, page_size=16)
+    mosaic = decodejax.dispatch.backend("pallas_mosaic_gpu")
+    for change in ({}, dict(num_q_heads=64), dict(cache_layout=hnd.value)):  # paired; G 8 and HND one head an item
+        assert mosaic.reasons(dataclasses.replace(key, **change)) == [], change
+    assert any("page_size=24" in r for r in mosaic.reasons(dataclasses.replace(key, page_size=24)))
 
 
 def test_mosaic_programs_are_the_fewest_that_keep_the_rounds():
