@@ -161,6 +161,7 @@ class DecodeAttentionCases:
     # 33): a kernel that summed the lengths wrongly would differ.
     plan_spec = Spec(batch=4, q_heads=16, kv_heads=8, head_dim=64, page_size=16, width=200)
     plan_lengths = (3200, 3100, 2900, 1500)
+    plan_adapts_to_batch = True  # plan_spec's auto plan: split counts from the batch's total (test_P1 checks it)
 
     def kernel_items(self, spec: Spec):
         """(config, K/V heads, head dim) of the kernel's work items on spec's NHD pool: its default
@@ -191,7 +192,7 @@ class DecodeAttentionCases:
                                           deterministic=plan_options.get("deterministic", False), head_dim=item_dim)
         start, end = plan.bounds(np.asarray(problem["seq_lens"]))
         assert parts.lse.shape == (spec.batch, spec.q_heads, plan.capacity)
-        if not plan_options and self.plan_spec is DecodeAttentionCases.plan_spec:  # the cases the kernel's batch sum serves
+        if not plan_options and self.plan_adapts_to_batch:  # the cases the kernel's batch sum serves
             assert plan.adapts_to_batch
             # The bounds without the rule under test (the cap where it binds, else the batch's total) differ.
             capped = decodejax.planning.MAX_SPLIT_TOKENS <= config.split_align
@@ -264,6 +265,12 @@ class TestDecodeAttentionInterpret(TritonDecodeAttentionCases):
 
 class MosaicDecodeAttentionCases(DecodeAttentionCases):
     """The shared body on the Mosaic GPU kernel's shapes."""
+
+    # Two K/V heads an item (D 64, H_kv 8: four pairs of D 128) halve the items, and the auto plan
+    # adapts only where they outnumber the SMs: five requests in a 1,600-token table (7 slots of
+    # 4 pairs; 54 units of 128 tokens against a target of 33 splits, 28 of them used).
+    plan_spec = Spec(batch=5, q_heads=16, kv_heads=8, head_dim=64, page_size=16, width=100)
+    plan_lengths = (1600, 1550, 1450, 750, 1200)
 
     @pytest.mark.parametrize("spec", MOSAIC_SPECS, ids=str)
     @pytest.mark.parametrize("dtype_name", list(DTYPES))
@@ -418,7 +425,7 @@ class TestMosaicDecodeAttentionInterpret(MosaicDecodeAttentionCases):
     """Mosaic GPU interpret mode: out-of-bounds reads raise and shared-memory races are detected.
 
     The interpreter runs each program's three warpgroups as threads (about 2 s a program on
-    the CI machine), so its problems have few programs: one K/V head, few requests."""
+    the CI machine), so its problems have few programs: one K/V head (or one pair), few requests."""
 
     backend = "pallas_mosaic_gpu_interpret"
     spec = Spec(batch=3, q_heads=8, kv_heads=2, head_dim=64, page_size=16, width=6, remap=True)  # two K/V heads an item
@@ -427,6 +434,7 @@ class TestMosaicDecodeAttentionInterpret(MosaicDecodeAttentionCases):
     deterministic_rows = (0, 2)
     plan_spec = Spec(batch=2, q_heads=2, kv_heads=1, head_dim=128, page_size=16, width=12)  # auto: 2 slots of 128 tokens
     plan_lengths = (150, 64)
+    plan_adapts_to_batch = False
 
     @pytest.mark.parametrize("spec,options", [
         (Spec(batch=3, q_heads=8, kv_heads=1, head_dim=64, page_size=16, width=6, remap=True),
