@@ -63,6 +63,13 @@ moves data differently:
   softmax reduces across warps through Mosaic GPU's one reduction scratch. On the H200 it was
   slower at every case measured: B 32, T 4,096 144.0 us against 130.7 inside one program;
   benchmarks/results/probe_keys_on_rows_05c4688.json. It was removed.)
+- At D 64 two K/V heads share an item where the pool allows it (`pairable_heads`): in an NHD
+  pool a token's heads 2i and 2i + 1 are one row of 128, so the item streams them as one head of
+  D 128 against a block-diagonal query tile, with D 128's tiles. A block then carries twice the
+  bytes for the same softmax, which bounds the kernel at D 64. (H200, in turns inside one
+  program, against one head an item in 128-token blocks: B 32, T 4,096 67.9 and 68.0 us against
+  71.2 and 71.1; B 1, T 32,768 23.7 against 26.9; B 8, T 8,192 38.8 against 42.3; B 128,
+  T 1,024 67.5 against 76.6; benchmarks/results/probe_pair_heads_a21c8f0.json.)
 - A block's pages are found through the page table: page index i of the block reads
   table[c, min(first_page + i, last_page)], where last_page holds the split's last key. Every
   copied page is therefore a page of this request, never past its table; positions outside
@@ -226,7 +233,9 @@ def default_config(head_dim: int, *, pairable: bool = False) -> MosaicDecodeConf
     At D 64 a block holds half the bytes for the same softmax and waits, and the kernel is bound by
     them: 128-token blocks in four slots took B 32, T 4,096 from 108.9 to 90.7 us inside one
     program, while at D 128 they were 53% slower at B 32; a third compute warpgroup was slower than
-    two at D 128 and than these tiles at D 64 (results/probe_mosaic_tiles_ac2f871.json)."""
+    two at D 128 and than these tiles at D 64 (results/probe_mosaic_tiles_ac2f871.json). Two heads
+    an item read the bytes of 128-token blocks at D 64 for half their softmax, and were faster at
+    every D 64 case measured (`pairable_heads`; results/probe_pair_heads_a21c8f0.json)."""
     if head_dim == 64:
         if pairable:
             return dataclasses.replace(default_config(2 * head_dim), pair_heads=True)

@@ -622,6 +622,14 @@ def test_lowered_mosaic_decode_contains_its_named_kernel_and_warns_nothing():
     assert not ours, ours
 
 
+def hopper_decode_key(head_dim: int):
+    """The dispatch key of a bf16 decode call on an H100/H200: H_q 32, H_kv 8, 16-token NHD pages."""
+    return decodejax.dispatch.DispatchKey(
+        device_type="gpu", compute_capability="9.0", operation="attention", phase="decode", q_dtype="bfloat16",
+        kv_dtype="bfloat16", q_len=1, kv_len=4096, num_q_heads=32, num_kv_heads=8, head_dim_qk=head_dim, head_dim_v=head_dim,
+        cache_layout=KVLayout.PAGED_NHD.value, page_size=16)
+
+
 @pytest.mark.parametrize("change,reason", [
     (dict(page_size=7), "page_size=7 is not a positive multiple of 8"),
     (dict(cache_layout=KVLayout.CONTIGUOUS_NHD.value, page_size=None), "paged layouts only"),
@@ -632,12 +640,7 @@ def test_lowered_mosaic_decode_contains_its_named_kernel_and_warns_nothing():
     (dict(phase="append", q_len=4), "decode (one query row) only"),
 ])
 def test_mosaic_admission_names_what_it_cannot_run(change, reason):
-    import dataclasses
-
-    key = decodejax.dispatch.DispatchKey(
-        device_type="gpu", compute_capability="9.0", operation="attention", phase="decode", q_dtype="bfloat16",
-        kv_dtype="bfloat16", q_len=1, kv_len=4096, num_q_heads=32, num_kv_heads=8, head_dim_qk=128, head_dim_v=128,
-        cache_layout=KVLayout.PAGED_NHD.value, page_size=16)
+    key = hopper_decode_key(head_dim=128)
     mosaic = decodejax.dispatch.backend("pallas_mosaic_gpu")
     assert mosaic.reasons(key) == []
     assert any(reason in r for r in mosaic.reasons(dataclasses.replace(key, **change))), mosaic.reasons(dataclasses.replace(key, **change))
@@ -691,14 +694,21 @@ def test_mosaic_pairs_kv_heads_only_where_the_pool_allows():
     assert mgpu.item_geometry(mgpu.default_config(64), 64, 8, 4, nhd) == (8, 64)  # not asked for
     assert decodejax._ops.kernel_items(mgpu, None, 64, 8, 4, nhd) == (paired, 4, 128)
     assert decodejax._ops.kernel_items(mgpu, None, 64, 8, 4, hnd) == (mgpu.default_config(64), 8, 64)
-    key = decodejax.dispatch.DispatchKey(
-        device_type="gpu", compute_capability="9.0", operation="attention", phase="decode", q_dtype="bfloat16",
-        kv_dtype="bfloat16", q_len=1, kv_len=4096, num_q_heads=32, num_kv_heads=8, head_dim_qk=64, head_dim_v=64,
-        cache_layout=nhd.value, page_size=16)
+    key = hopper_decode_key(head_dim=64)
     mosaic = decodejax.dispatch.backend("pallas_mosaic_gpu")
     for change in ({}, dict(num_q_heads=64), dict(cache_layout=hnd.value)):  # paired; G 8 and HND one head an item
         assert mosaic.reasons(dataclasses.replace(key, **change)) == [], change
     assert any("page_size=24" in r for r in mosaic.reasons(dataclasses.replace(key, page_size=24)))
+    # The call lowers to the paired kernel: its launch takes the pool as 4 heads of 128 (a silent
+    # fall back to one head an item would pass every oracle test); the HND pool's stays 8 of 64.
+    q, table, lens = (jax.ShapeDtypeStruct(s, t) for s, t in (((4, 32, 64), jnp.bfloat16), ((4, 16), jnp.int32), ((4,), jnp.int32)))
+    for layout, pool, kernel_pool in ((nhd, (65, 16, 8, 64), "65x16x4x128"), (hnd, (65, 8, 16, 64), "65x8x16x64")):
+        k = jax.ShapeDtypeStruct(pool, jnp.bfloat16)
+        with decodejax.dispatch.targeting("gpu", "9.0"):
+            step = jax.jit(lambda q, k, v, t, l: decodejax.decode_attention(q, k, v, t, l, layout=layout, backend="pallas_mosaic_gpu"))
+            text = step.trace(q, k, k, table, lens).lower(lowering_platforms=("cuda",)).as_text()
+        operands = re.search(r"stablehlo\.custom_call @mosaic_gpu\w*\(.*?\) .*?: \((.*?)\) ->", text).group(1)
+        assert operands.split(", ")[1:3] == [f"tensor<{kernel_pool}xbf16>"] * 2, operands
 
 
 def test_mosaic_programs_are_the_fewest_that_keep_the_rounds():
