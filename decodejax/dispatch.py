@@ -216,16 +216,15 @@ def _pallas_decode_reasons(key: DispatchKey, *, need_gpu: bool) -> list[str]:
 
 def _mosaic_decode_reasons(key: DispatchKey, *, need_gpu: bool) -> list[str]:
     """The Mosaic GPU decode kernel: one query row, paged K/V, wgmma/TMA shapes (its `supports`)."""
+    from decodejax import _ops
     from pallas_kernels import decode_attention_mgpu as kernel
 
     r = []
     if key.phase != "decode" or key.q_len != 1:
         r.append(f"phase={key.phase}, q_len={key.q_len}: decode (one query row) only")
     r += _paged_attention_reasons(key) + _operand_reasons(key)
-    group = key.num_q_heads // key.num_kv_heads
-    layout = KVLayout(key.cache_layout)
-    config = kernel.default_config(key.head_dim_v, pairable=kernel.pairable_heads(key.head_dim_v, key.num_kv_heads, group, layout))
-    item_heads, item_dim = kernel.item_geometry(config, key.head_dim_v, key.num_kv_heads, group, layout)  # what its items see
+    config, item_heads, item_dim = _ops.kernel_items(kernel, None, key.head_dim_v, key.num_kv_heads,  # what its items see
+                                                     key.num_q_heads // key.num_kv_heads, KVLayout(key.cache_layout))
     r += kernel.supports(key.page_size or 0, item_dim, key.num_q_heads // item_heads, key.kv_dtype, config)
     if need_gpu and key.compute_capability is not None and float(key.compute_capability) < 9.0:
         r.append(f"compute capability {key.compute_capability} < 9.0 (wgmma and TMA are Hopper's)")

@@ -5,6 +5,7 @@ on CPU, `test_decode_attention_gpu.py` runs it (and a 10,000-row sweep) on the G
 """
 
 import dataclasses
+import importlib
 import re
 
 import jax
@@ -162,13 +163,13 @@ class DecodeAttentionCases:
     plan_spec = Spec(batch=4, q_heads=16, kv_heads=8, head_dim=64, page_size=16, width=200)
     plan_lengths = (3200, 3100, 2900, 1500)
     plan_adapts_to_batch = True  # plan_spec's auto plan: split counts from the batch's total (test_P1 checks it)
+    kernel_module = "decode_attention"  # the pallas_kernels module behind `backend`
 
     def kernel_items(self, spec: Spec):
         """(config, K/V heads, head dim) of the kernel's work items on spec's NHD pool: its default
         tiling and the geometry its plan's alignment and split target follow (`_ops.kernel_items`)."""
-        from pallas_kernels import decode_attention
-
-        return decodejax._ops.kernel_items(decode_attention, None, spec.head_dim, spec.kv_heads, spec.q_heads // spec.kv_heads,
+        kernel = importlib.import_module(f"pallas_kernels.{self.kernel_module}")
+        return decodejax._ops.kernel_items(kernel, None, spec.head_dim, spec.kv_heads, spec.q_heads // spec.kv_heads,
                                            KVLayout.PAGED_NHD)
 
     @pytest.mark.parametrize("plan_options", [{}, {"num_splits": 3}, {"deterministic": True}, {"max_split_tokens": 128}],
@@ -271,6 +272,7 @@ class MosaicDecodeAttentionCases(DecodeAttentionCases):
     # 4 pairs; 54 units of 128 tokens against a target of 33 splits, 28 of them used).
     plan_spec = Spec(batch=5, q_heads=16, kv_heads=8, head_dim=64, page_size=16, width=100)
     plan_lengths = (1600, 1550, 1450, 750, 1200)
+    kernel_module = "decode_attention_mgpu"
 
     @pytest.mark.parametrize("spec", MOSAIC_SPECS, ids=str)
     @pytest.mark.parametrize("dtype_name", list(DTYPES))
@@ -308,7 +310,8 @@ class MosaicDecodeAttentionCases(DecodeAttentionCases):
     @pytest.mark.parametrize("num_splits", [1, 2])
     def test_items_sharing_a_query_tile_match_oracle(self, q_heads, kv_heads, lengths, num_splits):
         """Groups dividing the 8-row tile read q's rows in place: an item's G rows sit at offset
-        (b H_kv + h) G mod 8 of its tile, and its output and lse rows are taken from there. With
+        (b H_kv + h) G mod 8 of its tile, and its output and lse rows are taken from there. (At
+        D 64 with H_kv 2 an item is the pair of heads, `pairable_heads`: 2G rows at offset b 2G mod 8.) With
         one slot the kernel writes the call's output (bf16) and the empty request's (0, -inf)
         itself; with two it writes partial states that the wrapper masks and merges."""
         spec = Spec(batch=len(lengths), q_heads=q_heads, kv_heads=kv_heads, head_dim=64, page_size=16, width=10)
@@ -383,12 +386,6 @@ class MosaicDecodeAttentionCases(DecodeAttentionCases):
         np.testing.assert_array_equal(np.asarray(together.o[2:]), np.asarray(alone.o))
         np.testing.assert_array_equal(np.asarray(together.lse[2:]), np.asarray(alone.lse))
 
-    def kernel_items(self, spec: Spec):
-        from pallas_kernels import decode_attention_mgpu
-
-        return decodejax._ops.kernel_items(decode_attention_mgpu, None, spec.head_dim, spec.kv_heads,
-                                           spec.q_heads // spec.kv_heads, KVLayout.PAGED_NHD)
-
     def test_hnd_layout_matches_nhd(self):
         """HND addressing against NHD addressing, bit for bit, with the same arithmetic: one K/V head
         an item on both (an NHD pool at D 64 runs two heads an item by default, `pairable_heads`,
@@ -402,14 +399,15 @@ class MosaicDecodeAttentionCases(DecodeAttentionCases):
         np.testing.assert_array_equal(np.asarray(o_nhd, np.float32), np.asarray(o_hnd, np.float32))
         np.testing.assert_array_equal(np.asarray(lse_nhd), np.asarray(lse_hnd))
 
-    @pytest.mark.parametrize("q_heads,lengths,num_splits", [(8, (150, 0, 37), 1), (4, (150, 37), 2), (6, (70, 129), 1)],
-                             ids=["G4-one_slot", "G2-two_slots", "G3-padded_rows"])
+    @pytest.mark.parametrize("q_heads,lengths,num_splits", [(8, (150, 0, 37), 1), (6, (70, 129), 2)],
+                             ids=["G4-one_slot", "G3-padded_rows-two_slots"])
     def test_paired_kv_heads_match_oracle(self, q_heads, lengths, num_splits):
         """Two K/V heads an item (D 64, NHD, H_kv 2): the block-diagonal query tile and each head's
-        quarter of the output. G 4 fills the 8-row tile with the pair's rows; at G 2 the second
-        request's pair sits at row 4 of a tile shared with the first's; G 3's 6 rows are padded to
-        a tile of their own. One slot writes the call's output in bf16 (an empty request's too), two
-        write f32 partial states (the short request's second slot EMPTY) that the wrapper merges."""
+        quarter of the output. G 4 fills the 8-row tile with the pair's rows; G 3's 6 rows are padded
+        to a tile of their own. One slot writes the call's output in bf16 (an empty request's too),
+        two write f32 partial states (the short request's second slot EMPTY) that the wrapper merges.
+        (G 1 and G 2, whose pairs share a tile with other items', are
+        `test_items_sharing_a_query_tile_match_oracle`'s.)"""
         from pallas_kernels.decode_attention_mgpu import default_config, item_geometry
 
         spec = Spec(batch=len(lengths), q_heads=q_heads, kv_heads=2, head_dim=64, page_size=16, width=10, remap=True)
@@ -425,10 +423,12 @@ class TestMosaicDecodeAttentionInterpret(MosaicDecodeAttentionCases):
     """Mosaic GPU interpret mode: out-of-bounds reads raise and shared-memory races are detected.
 
     The interpreter runs each program's three warpgroups as threads (about 2 s a program on
-    the CI machine), so its problems have few programs: one K/V head (or one pair), few requests."""
+    the CI machine), so its problems have few programs: one K/V head (or one pair), few requests.
+    Pairs of K/V heads run in the tests whose problems have two (`test_paired_kv_heads_match_oracle`,
+    `test_items_sharing_a_query_tile_match_oracle`); the GPU class's spec is a pair too."""
 
     backend = "pallas_mosaic_gpu_interpret"
-    spec = Spec(batch=3, q_heads=8, kv_heads=2, head_dim=64, page_size=16, width=6, remap=True)  # two K/V heads an item
+    spec = Spec(batch=3, q_heads=4, kv_heads=1, head_dim=64, page_size=16, width=6, remap=True)
     deterministic_spec = Spec(batch=3, q_heads=2, kv_heads=1, head_dim=64, page_size=16, width=80)
     deterministic_lengths = (1100, 0, 1025)
     deterministic_rows = (0, 2)

@@ -192,6 +192,10 @@ def test_a_plan_takes_the_split_capacity_of_its_kernels_own_auto_plan():
         own = _ops.decode_plan(1, 8, 2048 * 16, kernel.default_config(128), num_splits=None, deterministic=False, head_dim=128)
         plan = DecodePlan.create(q, k, table, backend=backend)
         assert plan.backend == backend and plan.split_capacity == own.capacity == slots, (backend, plan.split_capacity)
+    # At D 64 the Mosaic kernel's items are pairs of K/V heads of D 128 (`item_geometry`): one request
+    # of 2,048 tokens is 16 units of 128 for 4 pairs (8 of 256 for 8 heads one at a time).
+    q64, k64 = jnp.zeros((1, 32, 64), jnp.bfloat16), jnp.zeros((4, 16, 8, 64), jnp.bfloat16)
+    assert DecodePlan.create(q64, k64, table[:, :128], backend="pallas_mosaic_gpu_interpret").split_capacity == 16
 
 
 def test_backends_are_small_objects_that_run_operations():
