@@ -286,10 +286,10 @@ def _tile_variants(k, v, case):
 def _pair_variants(k, v):
     """At D 64, in turns: the Mosaic default (two K/V heads an item, D 128's tiles) and one head an item
     with the 128-token tiles that were the D 64 default before it."""
-    from pallas_kernels.decode_attention_mgpu import MosaicDecodeConfig
+    from pallas_kernels.decode_attention_mgpu import default_config
 
     mosaic = dict(backend="pallas_mosaic_gpu")
-    one_head = dict(mosaic, config=MosaicDecodeConfig(block_k=128, num_stages=4, compute_warpgroups=2))
+    one_head = dict(mosaic, config=default_config(64))  # pairable=False: 128-token blocks
     return {f"mgpu/{name}#{turn}": (options, k, v, {}) for turn in (1, 2)
             for name, options in (("paired", mosaic), ("one_head", one_head))}
 
