@@ -110,10 +110,15 @@ class DecodeAttentionCases:
         ref_o, ref_lse = oracle(args, KVLayout.PAGED_NHD, **options)
         assert_matches_oracle(o, lse, ref_o, ref_lse, dtype_name, problem["seq_lens"])
 
+    def same_arithmetic_on_both_layouts(self) -> dict:
+        """Options under which an NHD and an HND pool run the same arithmetic: the defaults."""
+        return {}
+
     def test_hnd_layout_matches_nhd(self):
         problem = make_problem(self.spec, np.random.default_rng(5))
-        o_nhd, lse_nhd = self.run(to_device(problem, jnp.bfloat16))
-        o_hnd, lse_hnd = self.run(to_device(problem, jnp.bfloat16, KVLayout.PAGED_HND), layout=KVLayout.PAGED_HND)
+        options = self.same_arithmetic_on_both_layouts()
+        o_nhd, lse_nhd = self.run(to_device(problem, jnp.bfloat16), **options)
+        o_hnd, lse_hnd = self.run(to_device(problem, jnp.bfloat16, KVLayout.PAGED_HND), layout=KVLayout.PAGED_HND, **options)
         np.testing.assert_array_equal(np.asarray(o_nhd, np.float32), np.asarray(o_hnd, np.float32))
         np.testing.assert_array_equal(np.asarray(lse_nhd), np.asarray(lse_hnd))
 
@@ -386,18 +391,12 @@ class MosaicDecodeAttentionCases(DecodeAttentionCases):
         np.testing.assert_array_equal(np.asarray(together.o[2:]), np.asarray(alone.o))
         np.testing.assert_array_equal(np.asarray(together.lse[2:]), np.asarray(alone.lse))
 
-    def test_hnd_layout_matches_nhd(self):
-        """HND addressing against NHD addressing, bit for bit, with the same arithmetic: one K/V head
-        an item on both (an NHD pool at D 64 runs two heads an item by default, `pairable_heads`,
-        which an HND pool cannot; the paired kernel is checked against the oracle)."""
+    def same_arithmetic_on_both_layouts(self) -> dict:
+        """One K/V head an item on both: an NHD pool at D 64 runs two heads an item by default
+        (`pairable_heads`), which an HND pool cannot (the paired kernel is checked against the oracle)."""
         from pallas_kernels.decode_attention_mgpu import default_config
 
-        one_head = default_config(self.spec.head_dim, pairable=False)
-        problem = make_problem(self.spec, np.random.default_rng(5))
-        o_nhd, lse_nhd = self.run(to_device(problem, jnp.bfloat16), config=one_head)
-        o_hnd, lse_hnd = self.run(to_device(problem, jnp.bfloat16, KVLayout.PAGED_HND), layout=KVLayout.PAGED_HND, config=one_head)
-        np.testing.assert_array_equal(np.asarray(o_nhd, np.float32), np.asarray(o_hnd, np.float32))
-        np.testing.assert_array_equal(np.asarray(lse_nhd), np.asarray(lse_hnd))
+        return {"config": default_config(self.spec.head_dim, pairable=False)}
 
     @pytest.mark.parametrize("q_heads,lengths,num_splits", [(8, (150, 0, 37), 1), (6, (70, 129), 2)],
                              ids=["G4-one_slot", "G3-padded_rows-two_slots"])
