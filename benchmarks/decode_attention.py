@@ -169,10 +169,11 @@ def run_case(case, results, sweep: bool, tune: bool = False, ours_only: bool = F
         record(LAUNCH_ORDER, ours(config=dataclasses.replace(config, longest_first=False)), q, k, v, table, lens, gpu_span=True,
                in_program=True)
     if tune_mosaic:
-        from pallas_kernels.decode_attention_mgpu import MosaicDecodeConfig
+        from pallas_kernels.decode_attention_mgpu import MosaicDecodeConfig, default_config as mosaic_default
 
+        pair_heads = mosaic_default(case.head_dim, pairable=True).pair_heads  # at D 64 tune the paired items the op runs
         for bk, stages, wgs in MOSAIC_TUNE:
-            cfg = MosaicDecodeConfig(block_k=bk, num_stages=stages, compute_warpgroups=wgs)
+            cfg = MosaicDecodeConfig(block_k=bk, num_stages=stages, compute_warpgroups=wgs, pair_heads=pair_heads)
             record(f"decodejax/mgpu-nhd/tune/bk={bk},st={stages},wg={wgs}", ours("pallas_mosaic_gpu", config=cfg), q, k, v, table, lens)
     if ours_only:  # a re-measure of the default path alone (its peers are in an earlier run's file)
         time_variants(case.name, entry, pending, nbytes)

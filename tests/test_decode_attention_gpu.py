@@ -50,8 +50,10 @@ MOSAIC_SWEEP = [
     (Spec(8, 32, 8, 128, 16, 256), {}),  # 2 slots in one round: the kernel finds the bounds itself
     (Spec(8, 32, 8, 128, 16, 2048), {}),  # 8 slots, 512 items: adaptive bounds and their order from XLA
     (Spec(1, 32, 8, 128, 16, 2048), {}),  # one request: the kernel finds its slots' bounds itself
+    (Spec(256, 16, 4, 64, 16, 60, remap=True), {"soft_cap": 20.0, "window_left": 500}),  # G 4 at D 64: two K/V heads an item
 ]
-DRAWS = 7  # (6 shapes x 256 rows + 2 x 8 rows + 1 row) x 7 draws = 10,871 rows per dtype
+DRAWS = 7  # (6 shapes x 256 rows + 2 x 8 rows + 1 row) x 7 draws = 10,871 rows per dtype; the Mosaic sweep's
+# paired G 4 shape adds 1,792 (MHA at D 64 pairs too, at G 1)
 
 
 @pytest.mark.parametrize("backend,sweep", [("pallas_triton", SWEEP), ("pallas_mosaic_gpu", MOSAIC_SWEEP)], ids=["triton", "mosaic"])
