@@ -323,6 +323,29 @@ def test_decode_benchmark_compares_gpu_time_with_flashinfers_events_and_host_clo
     assert rows[-1].startswith("| B1_T32768 | 39.0 / 38.0 |") and rows[-1].endswith("| 41.0 | n/a | 1.05x |")
 
 
+def test_decode_benchmark_judges_each_default_path_against_issue_3s_bars_inside_one_program():
+    """Each path's in-program time against FlashInfer's CUDA graph and the builtin kernel's best, and
+    its TB/s where the bar applies (B >= 32 at D 128); a bar just missed reads MISSED."""
+    from benchmarks.decode_attention import targets_table
+
+    stats = lambda median, tbps=1.0: {"median_us": median, "min_us": median - 1, "tbps_median": tbps}
+    b8 = {"decodejax/nhd/auto": {"in_program": stats(67.0, 4.01)}, "decodejax/mgpu-nhd/auto": {"in_program": stats(68.5, 3.92)},
+          "jax_builtin_pallas/k_splits=4": {"in_program": stats(122.0)}, "jax_builtin_pallas/k_splits=1": {"in_program": stats(130.0)},
+          "flashinfer/tensor_cores=True": {"in_program": stats(71.0)}}
+    b32 = {"decodejax/nhd/auto": {"in_program": stats(131.0, 4.09)}, "decodejax/mgpu-nhd/auto": {"in_program": stats(124.0, 4.33)},
+           "jax_builtin_pallas/k_splits=1": {"in_program": stats(231.0)}, "flashinfer/tensor_cores=False": {"in_program": stats(126.0)}}
+    results = {"cases": {"B8_T8192": {"case": {"batch": 8, "head_dim": 128}, "variants": b8},
+                         "B32_T4096": {"case": {"batch": 32, "head_dim": 128}, "variants": b32}}}
+    rows = targets_table(results)
+    assert rows[-4:] == [
+        "| B8_T8192 | Triton (auto) | 67.0 | 1.060x met | 1.821x met | 4.010 (no bar) |",
+        "| B8_T8192 | Mosaic GPU | 68.5 | 1.036x met | 1.781x MISSED | 3.920 (no bar) |",
+        "| B32_T4096 | Triton (auto) | 131.0 | 0.962x MISSED | 1.763x MISSED | 4.090 MISSED |",
+        "| B32_T4096 | Mosaic GPU | 124.0 | 1.016x met | 1.863x met | 4.330 met |",
+    ]
+    assert targets_table({"cases": {"B8_T8192": {"case": {}, "variants": {"decodejax/nhd/auto": stats(70.0)}}}}) == []
+
+
 def test_decode_benchmark_table_has_a_split_sweep_only_when_the_run_swept():
     """A --no-sweep run (one device call) renders no empty sweep table; a swept run renders its row.
     The deal's table appears when the launch-order variant was timed in one program."""
