@@ -1,5 +1,6 @@
 """Benchmark tools: profile_summary (GPU stream events summed by name), hopper_compile (kernel IR extraction), ncu_decode (Nsight Compute exports) and mosaic_timeline (the Mosaic kernel's profiler traces)."""
 
+import json
 from types import SimpleNamespace as NS
 
 import numpy as np
@@ -344,6 +345,22 @@ def test_decode_benchmark_judges_each_default_path_against_issue_3s_bars_inside_
         "| B32_T4096 | Mosaic GPU | 124.0 | 1.016x met | 1.863x met | 4.330 met |",
     ]
     assert targets_table({"cases": {"B8_T8192": {"case": {}, "variants": {"decodejax/nhd/auto": stats(70.0)}}}}) == []
+
+
+def test_decode_benchmark_report_renders_a_recorded_result_and_leaves_its_file_as_it_was(tmp_path, capsys):
+    from benchmarks.decode_attention import main
+
+    stats = lambda median: {"median_us": median, "min_us": median - 1, "tbps_median": 1.0}
+    results = {"machine": {"device": "H200", "jax": "0.11.2", "python": "3.12"}, "date": "2026-12-02",
+               "method": {"samples": 30, "reps_per_sample": 50},
+               "cases": {"B32_T4096": {"case": {"tags": ["target"]}, "variants": {
+                   "decodejax/nhd/auto": stats(135.0), "jax_builtin_pallas/k_splits=1": stats(250.0)}}}}
+    path = tmp_path / "recorded.json"
+    path.write_text(json.dumps(results))
+    before = path.read_bytes()
+    main(["--report", str(path)])
+    assert path.read_bytes() == before
+    assert "| B32_T4096 | 135.0 / 134.0 |" in capsys.readouterr().out
 
 
 def test_decode_benchmark_table_has_a_split_sweep_only_when_the_run_swept():
