@@ -348,6 +348,8 @@ def test_decode_benchmark_judges_each_default_path_against_issue_3s_bars_inside_
 
 
 def test_decode_benchmark_report_renders_a_recorded_result_and_leaves_its_file_as_it_was(tmp_path, capsys):
+    """`--report` prints a recorded run's tables and leaves its JSON byte for byte as it was (it used to
+    write the file back with recomputed comparisons)."""
     from benchmarks.decode_attention import main
 
     stats = lambda median: {"median_us": median, "min_us": median - 1, "tbps_median": 1.0}
