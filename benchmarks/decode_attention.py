@@ -172,11 +172,13 @@ def run_case(case, results, sweep: bool, tune: bool = False, ours_only: bool = F
         record(LAUNCH_ORDER, ours(config=dataclasses.replace(config, longest_first=False)), q, k, v, table, lens, gpu_span=True,
                in_program=True)
     if tune_mosaic:
-        from pallas_kernels.decode_attention_mgpu import MosaicDecodeConfig, default_config as mosaic_default
+        from pallas_kernels import decode_attention_mgpu
 
-        pair_heads = mosaic_default(case.head_dim, pairable=True).pair_heads  # at D 64 tune the paired items the op runs
+        # the op's own config for the case (at D 64, paired items), retiled
+        mosaic_config, _, _ = decodejax._ops.kernel_items(decode_attention_mgpu, None, case.head_dim, case.kv_heads,
+                                                          case.q_heads // case.kv_heads, KVLayout.PAGED_NHD)
         for bk, stages, wgs in MOSAIC_TUNE:
-            cfg = MosaicDecodeConfig(block_k=bk, num_stages=stages, compute_warpgroups=wgs, pair_heads=pair_heads)
+            cfg = dataclasses.replace(mosaic_config, block_k=bk, num_stages=stages, compute_warpgroups=wgs)
             record(f"decodejax/mgpu-nhd/tune/bk={bk},st={stages},wg={wgs}", ours("pallas_mosaic_gpu", config=cfg), q, k, v, table, lens)
     if ours_only:  # a re-measure of the default path alone (its peers are in an earlier run's file)
         time_variants(case.name, entry, pending, nbytes)

@@ -449,6 +449,14 @@ def explain(**call) -> Selection | AdmissionError:
 
 
 # -- plan / run -----------------------------------------------------------------------------
+def decode_kernel(backend_name: str):
+    """The pallas_kernels module whose tiling and plan a decode backend follows: the Mosaic GPU kernel's
+    for its backends, the Triton kernel's for any other (a backend without splits ignores the plan)."""
+    from pallas_kernels import decode_attention, decode_attention_mgpu
+
+    return decode_attention_mgpu if backend_name.startswith("pallas_mosaic_gpu") else decode_attention
+
+
 class StalePlan(ValueError):
     """A run whose static fields differ from its plan's."""
 
@@ -496,7 +504,6 @@ class DecodePlan:
     def create(q, k_pages, page_table, *, layout: KVLayout = KVLayout.PAGED_NHD, num_splits: int | None = None,
                deterministic: bool = False, bucket_mode: bool = False, backend: str = "auto") -> "DecodePlan":
         from decodejax import _ops
-        from pallas_kernels import decode_attention, decode_attention_mgpu
 
         key = DispatchKey.from_call(q, k_pages, layout=layout, page_table=page_table, deterministic=deterministic,
                                     bucket_mode=bucket_mode, backend=backend)
@@ -504,8 +511,7 @@ class DecodePlan:
         proj = DecodePlan._projection(q, k_pages, page_table, layout, bucket_mode)
         # The split capacity the selected kernel's own auto plan has (the Triton kernel's for a
         # backend without splits, whose runs ignore it).
-        kernel = decode_attention_mgpu if selected.startswith("pallas_mosaic_gpu") else decode_attention
-        config, item_heads, item_dim = _ops.kernel_items(kernel, None, proj["head_dim"], proj["num_kv_heads"],
+        config, item_heads, item_dim = _ops.kernel_items(decode_kernel(selected), None, proj["head_dim"], proj["num_kv_heads"],
                                                          proj["num_q_heads"] // proj["num_kv_heads"], layout)
         split = _ops.decode_plan(proj["batch"], item_heads, proj["table_width"] * proj["page_size"], config,
                                  num_splits=num_splits, deterministic=deterministic, head_dim=item_dim)

@@ -5,7 +5,6 @@ on CPU, `test_decode_attention_gpu.py` runs it (and a 10,000-row sweep) on the G
 """
 
 import dataclasses
-import importlib
 import re
 
 import jax
@@ -168,13 +167,10 @@ class DecodeAttentionCases:
     plan_spec = Spec(batch=4, q_heads=16, kv_heads=8, head_dim=64, page_size=16, width=200)
     plan_lengths = (3200, 3100, 2900, 1500)
     plan_adapts_to_batch = True  # plan_spec's auto plan: split counts from the batch's total (test_P1 checks it)
-    kernel_module = "decode_attention"  # the pallas_kernels module behind `backend`
-
     def kernel_items(self, spec: Spec):
-        """(config, K/V heads, head dim) of the kernel's work items on spec's NHD pool: its default
+        """(config, K/V heads, head dim) of the backend's kernel's work items on spec's NHD pool: its default
         tiling and the geometry its plan's alignment and split target follow (`_ops.kernel_items`)."""
-        kernel = importlib.import_module(f"pallas_kernels.{self.kernel_module}")
-        return decodejax._ops.kernel_items(kernel, None, spec.head_dim, spec.kv_heads, spec.q_heads // spec.kv_heads,
+        return decodejax._ops.kernel_items(decodejax.dispatch.decode_kernel(self.backend), None, spec.head_dim, spec.kv_heads, spec.q_heads // spec.kv_heads,
                                            KVLayout.PAGED_NHD)
 
     @pytest.mark.parametrize("plan_options", [{}, {"num_splits": 3}, {"deterministic": True}, {"max_split_tokens": 128}],
@@ -277,7 +273,6 @@ class MosaicDecodeAttentionCases(DecodeAttentionCases):
     # 4 pairs; 54 units of 128 tokens against a target of 33 splits, 28 of them used).
     plan_spec = Spec(batch=5, q_heads=16, kv_heads=8, head_dim=64, page_size=16, width=100)
     plan_lengths = (1600, 1550, 1450, 750, 1200)
-    kernel_module = "decode_attention_mgpu"
 
     @pytest.mark.parametrize("spec", MOSAIC_SPECS, ids=str)
     @pytest.mark.parametrize("dtype_name", list(DTYPES))
