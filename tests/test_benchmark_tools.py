@@ -524,3 +524,23 @@ def test_mosaic_timeline_summary_reads_scopes_per_entry_and_last_events_per_sm()
     assert s["last_event_spread_share"] == pytest.approx((13 - 5) / 13)
     assert s["tail_share"] == pytest.approx((13 - 8.5) / 13)  # past the median SM's 8.5
     assert s["tpc_pair_correlation"] == pytest.approx(np.corrcoef([12, 9, 5], [13, 8, 5.5])[0, 1])
+
+
+def test_dense_ceiling_out_in_layout_holds_the_same_weights_and_computes_the_same_step():
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks.dense_ceiling import dense_step, random_weights
+    from models.llama import PRESETS
+
+    config = PRESETS["tiny"]
+    in_out = random_weights(config, True, jnp.float32)
+    out_in = random_weights(config, True, jnp.float32, out_in=True)
+    for a, b in zip(jax.tree.leaves(in_out), jax.tree.leaves(out_in)):
+        np.testing.assert_array_equal(np.asarray(a).T, np.asarray(b))
+    x = jax.random.normal(jax.random.key(1), (3, config.hidden_size), jnp.float32)
+    logits, kv_sum = dense_step(in_out, x)
+    logits_t, kv_sum_t = dense_step(out_in, x, out_in=True)
+    assert logits.shape == (3, config.vocab_size)
+    np.testing.assert_allclose(np.asarray(logits_t), np.asarray(logits), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(float(kv_sum_t), float(kv_sum), rtol=1e-5, atol=1e-5)
