@@ -26,6 +26,7 @@ from decodejax import evidence
 from models.llama import PRESETS
 
 DATASHEET_BPS = 4.8e12
+LAYOUTS = ("separate", "fused", "fused_nk")
 
 
 def random_weights(config, fused: bool, dtype, seed: int = 0, out_in: bool = False) -> dict:
@@ -36,8 +37,8 @@ def random_weights(config, fused: bool, dtype, seed: int = 0, out_in: bool = Fal
     def w(shape):
         nonlocal key
         key, sub = jax.random.split(key)
-        w = (jax.random.normal(sub, shape, jnp.float32) * shape[0] ** -0.5).astype(dtype)
-        return w.T.copy() if out_in else w
+        weight = (jax.random.normal(sub, shape, jnp.float32) * shape[0] ** -0.5).astype(dtype)
+        return weight.T if out_in else weight
 
     layers = []
     for _ in range(c.num_layers):
@@ -90,8 +91,12 @@ def main(argv=None):
     parser.add_argument("--out", default="benchmarks/results/dense_ceiling.json")
     args = parser.parse_args(argv)
     config, dtype = PRESETS[args.model], jnp.bfloat16
+    layouts = args.layouts.split(",")
+    unknown = [name for name in layouts if name not in LAYOUTS]
+    if unknown:
+        parser.error(f"--layouts: {unknown} not among {LAYOUTS}")
     rows = []
-    for layout in args.layouts.split(","):
+    for layout in layouts:
         out_in = layout == "fused_nk"
         weights = random_weights(config, layout != "separate", dtype, out_in=out_in)
         nbytes = sum(a.nbytes for a in jax.tree.leaves(weights))
