@@ -527,6 +527,8 @@ def test_mosaic_timeline_summary_reads_scopes_per_entry_and_last_events_per_sm()
 
 
 def test_dense_ceiling_out_in_layout_holds_the_same_weights_and_computes_the_same_step():
+    """`fused_nk` stores each weight [out, in]: the exact transposes of `fused`'s, contracted on their
+    last axis, so its step's logits and K/V sum are `fused`'s."""
     import jax
     import jax.numpy as jnp
 

@@ -167,10 +167,12 @@ class DecodeAttentionCases:
     plan_spec = Spec(batch=4, q_heads=16, kv_heads=8, head_dim=64, page_size=16, width=200)
     plan_lengths = (3200, 3100, 2900, 1500)
     plan_adapts_to_batch = True  # plan_spec's auto plan: split counts from the batch's total (test_P1 checks it)
+
     def kernel_items(self, spec: Spec):
         """(config, K/V heads, head dim) of the backend's kernel's work items on spec's NHD pool: its default
         tiling and the geometry its plan's alignment and split target follow (`_ops.kernel_items`)."""
-        return decodejax._ops.kernel_items(decodejax.dispatch.decode_kernel(self.backend), None, spec.head_dim, spec.kv_heads, spec.q_heads // spec.kv_heads,
+        kernel = decodejax.dispatch.decode_kernel(self.backend)
+        return decodejax._ops.kernel_items(kernel, None, spec.head_dim, spec.kv_heads, spec.q_heads // spec.kv_heads,
                                            KVLayout.PAGED_NHD)
 
     @pytest.mark.parametrize("plan_options", [{}, {"num_splits": 3}, {"deterministic": True}, {"max_split_tokens": 128}],
