@@ -249,12 +249,20 @@ def default_pool_tokens(config, wanted: int, dtype_bytes: int) -> int:
     return max(0, min(wanted, free // kv_bytes_read(config, 1, 1, dtype_bytes)))
 
 
-def build_engine(model, batches, max_context: int, pool_tokens: int, page: int, dtype: str, cache_dir=None):
+def build_engine(model, batches, max_context: int, pool_tokens: int, page: int, dtype: str, cache_dir=None, xla_defaults=False):
+    """The engine of the benchmark; xla_defaults compiles its decode steps without the runner's
+    XLA options (`runner.default_step_xla_options`)."""
     from decodejax.engine import Engine, EngineConfig
+    from decodejax.runner import default_step_xla_options
 
     num_pages = -(-pool_tokens // page) + 1
     return Engine(model, EngineConfig(max_batch=max(batches), max_context=max_context, page_size=page, num_pages=num_pages,
-                                      capture_ladder=tuple(sorted(batches)), kv_dtype=dtype, compilation_cache_dir=cache_dir))
+                                      capture_ladder=tuple(sorted(batches)), kv_dtype=dtype, compilation_cache_dir=cache_dir,
+                                      step_xla_options=_no_options if xla_defaults else default_step_xla_options))
+
+
+def _no_options(bs: int) -> dict:
+    return {}
 
 
 def startup(model_name: str, dtype: str, batches, max_context: int, cache_dir: str) -> dict:
@@ -288,6 +296,7 @@ def main(argv=None):
     parser.add_argument("--peer-json", default=None, help="a finished benchmarks.peers.hf_generate result to compare with")
     parser.add_argument("--from-json", default=None, help="an earlier result of this script to add the peer to (no measuring)")
     parser.add_argument("--prefer-backends", default="", help="comma-separated backends automatic selection tries first")
+    parser.add_argument("--xla-defaults", action="store_true", help="compile the decode steps with XLA's default options, not the runner's")
     parser.add_argument("--out", default="benchmarks/results/e2e_decode.json")
     args = parser.parse_args(argv)
     batches = [int(b) for b in args.batch.split(",")]
@@ -334,7 +343,7 @@ def measure_all(args, batches: list[int], contexts: list[int]) -> dict:
     print(f"model built in {build_s:.1f} s; pool of {pool_tokens} tokens", flush=True)
     prefer = tuple(n for n in args.prefer_backends.split(",") if n)
     with dispatch.preferring(*prefer):
-        engine = build_engine(model, batches, max(contexts) + extra + page, pool_tokens, page, args.dtype)
+        engine = build_engine(model, batches, max(contexts) + extra + page, pool_tokens, page, args.dtype, xla_defaults=args.xla_defaults)
     print(f"captured {sorted(engine.capture_seconds)} in {sum(engine.capture_seconds.values()):.1f} s", flush=True)
     fill_pool_with_noise(engine)
     dbytes = jnp.dtype(args.dtype).itemsize
@@ -345,6 +354,7 @@ def measure_all(args, batches: list[int], contexts: list[int]) -> dict:
               "capture_s": engine.capture_seconds, "compiled_memory": engine.runner.compiled_memory(), "steps": args.steps,
               "warmup": args.warmup, "sampling": "greedy" if args.top_p is None else {"top_p": args.top_p},
               "prefer_backends": list(prefer),
+              "step_xla_options": {bs: engine.runner.config.step_xla_options(bs) for bs in sorted(engine.capture_seconds)},
               "selected_backends": {bs: sorted({(s.key.operation, s.key.phase, s.backend) for s in sel}) for bs, sel in engine.runner.selections.items()},
               "rows": rows}
     print("compiled memory per bucket", result["compiled_memory"], flush=True)

@@ -26,7 +26,7 @@ import dataclasses
 import functools
 import itertools
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -34,7 +34,7 @@ import numpy as np
 
 from decodejax.cache import CacheGroup, CacheGroupRouter, KVPool, Leaf, OutOfPages, PageAllocator
 from decodejax.metadata import DecodeRow, ExtendInputs, build_extend_metadata
-from decodejax.runner import AttentionLeafBackend, DecodeRunner, PendingStep, RunnerConfig
+from decodejax.runner import AttentionLeafBackend, DecodeRunner, PendingStep, RunnerConfig, default_step_xla_options
 from decodejax.sampling import SamplingParams, sample_window
 
 
@@ -87,6 +87,7 @@ class EngineConfig:
       compilation_cache_dir: JAX persistent compilation cache for the decode buckets (None: off).
       overlap_decode: dispatch decode step k + 1 before reading step k's tokens (one step in
         flight); False runs each step to its end first. Tokens are the same either way.
+      step_xla_options: bs -> XLA compile options of decode bucket bs (`RunnerConfig`).
     """
 
     max_batch: int = 8
@@ -100,6 +101,7 @@ class EngineConfig:
     kv_dtype: str = "float32"
     compilation_cache_dir: str | None = None
     overlap_decode: bool = True
+    step_xla_options: Callable[[int], dict] = default_step_xla_options
 
     def __post_init__(self):
         if self.prefill_token_budget > max(self.prefill_buckets):
@@ -180,7 +182,8 @@ class Engine:
         top = ec.max_capture_bs or ec.max_batch
         self.runner = DecodeRunner(forward, state, pool, self.router, model.layer_leaves, [backend],
                                    RunnerConfig(max_decode_bs=ec.max_batch, max_capture_bs=min(top, ec.max_batch),
-                                                capture_ladder=ec.capture_ladder, compilation_cache_dir=ec.compilation_cache_dir),
+                                                capture_ladder=ec.capture_ladder, compilation_cache_dir=ec.compilation_cache_dir,
+                                                step_xla_options=ec.step_xla_options),
                                    vocab_size=c.vocab_size, max_requests=ec.max_batch)
         self.layer_leaves = tuple(model.layer_leaves)
         self.allocator = PageAllocator(num_pages)

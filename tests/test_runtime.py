@@ -22,6 +22,9 @@ from decodejax.metadata import (
     refresh_decode_metadata_jit,
 )
 from decodejax.runner import (
+    CONCURRENT_COMMAND_BUFFERS,
+    CUBLASLT_GEMMS,
+    CUBLASLT_MIN_BS,
     AttentionLeafBackend,
     BackendNode,
     CaptureError,
@@ -30,6 +33,7 @@ from decodejax.runner import (
     RebindError,
     RunnerConfig,
     compile_events,
+    default_step_xla_options,
 )
 from decodejax.sampling import SamplingParams, SamplingPool, needs_order_statistics, sample_window
 from models import toy
@@ -460,6 +464,28 @@ def test_R6_capture_failure_is_fatal():
     runner = make_runner(forward=broken)
     with pytest.raises(CaptureError, match="bs=1"):
         runner.capture(progress=None)
+
+
+def test_step_xla_options_reach_each_buckets_compile():
+    """Each bucket's step and resample step compile with that bucket's options: an option XLA
+    refuses fails the capture of that bucket only, by name."""
+    asked = []
+
+    def options(bs):
+        asked.append(bs)
+        return {"xla_no_such_option": True} if bs == 4 else {}
+
+    runner = make_runner(config=RunnerConfig(max_decode_bs=12, max_capture_bs=8, capture_ladder=(1, 2, 4, 8), step_xla_options=options))
+    with pytest.raises(CaptureError, match=r"bs=4.*xla_no_such_option"):
+        runner.capture(progress=None)
+    assert asked == [1, 2, 4] and sorted(runner.capture_seconds) == [1, 2]
+
+
+def test_default_step_xla_options_add_cublaslt_from_its_bucket_up():
+    below, at = default_step_xla_options(CUBLASLT_MIN_BS - 1), default_step_xla_options(CUBLASLT_MIN_BS)
+    assert below == dict(CONCURRENT_COMMAND_BUFFERS)
+    assert at == dict(CONCURRENT_COMMAND_BUFFERS + CUBLASLT_GEMMS) == default_step_xla_options(2 * CUBLASLT_MIN_BS)
+    assert RunnerConfig().step_xla_options is default_step_xla_options
 
 
 def test_R7_rejected_rebind_changes_nothing_accepted_rebind_publishes():
