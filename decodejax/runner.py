@@ -67,7 +67,8 @@ def default_capture_ladder(max_capture_bs: int) -> tuple[int, ...]:
 # XLA options every compiled step gets (names of XLA's DebugOptions; per executable, so a
 # user's XLA_FLAGS elsewhere in the process are untouched). Command buffers (XLA's CUDA graphs)
 # scheduled by data dependence, with concurrent regions: the few kernels of a layer that do not
-# depend on each other (the K and V row writes, the query's RoPE) may overlap.
+# depend on each other (the K and V row writes, the query's RoPE) may overlap (not checked in a
+# trace: the profiler runs the steps op by op).
 CONCURRENT_COMMAND_BUFFERS = (("xla_gpu_command_buffer_scheduling_mode", "CONCURRENT"),
                               ("xla_gpu_graph_enable_concurrent_region", True))
 # From this bucket up, the dense matmuls go to cuBLASLt rather than XLA's Triton GEMMs.
@@ -79,12 +80,11 @@ def default_step_xla_options(bs: int) -> dict[str, str | bool]:
     """XLA compile options of bucket bs's step: concurrent command buffers, and cuBLASLt GEMMs
     at bs >= CUBLASLT_MIN_BS.
 
-    On the H200 (llama3-8b shape, bf16, T 2,048, two processes each way, one call) the engine's
-    step took 1% to 5% less with them at every bucket measured: B 1 4.24 -> 4.18 ms, B 8 4.86 ->
-    4.74, B 32 6.70 -> 6.60, B 64 9.19 -> 8.76, B 128 13.95 -> 13.55 (benchmarks/README.md,
-    thirty-third session). cuBLASLt alone read the dense weights faster than XLA's GEMMs at B 64
-    and 128 and slower at B 1 and 32 (`dense_ceiling.py`), hence the threshold; buckets between
-    32 and 64 were not measured.
+    On the H200 (llama3-8b shape, bf16, T 2,048, two processes each way in one call) the engine's
+    step took 1% to 5% less with them at every bucket measured (1, 8, 32, 64, 128; the most at
+    B 64, 9.19 -> 8.76 ms; benchmarks/README.md, thirty-third session). cuBLASLt read the dense
+    weights faster than XLA's GEMMs at B 64 and 128 and slower at B 1 and 32
+    (`dense_ceiling.py`), hence the threshold; between 32 and 64 it was not measured.
     """
     return dict(CONCURRENT_COMMAND_BUFFERS + (CUBLASLT_GEMMS if bs >= CUBLASLT_MIN_BS else ()))
 
