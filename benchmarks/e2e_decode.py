@@ -253,12 +253,12 @@ def build_engine(model, batches, max_context: int, pool_tokens: int, page: int, 
     """The engine of the benchmark; xla_defaults compiles its decode steps without the runner's
     XLA options (`runner.default_step_xla_options`)."""
     from decodejax.engine import Engine, EngineConfig
-    from decodejax.runner import default_step_xla_options
 
     num_pages = -(-pool_tokens // page) + 1
+    options = dict(step_xla_options=_no_options) if xla_defaults else {}  # else EngineConfig's default
     return Engine(model, EngineConfig(max_batch=max(batches), max_context=max_context, page_size=page, num_pages=num_pages,
                                       capture_ladder=tuple(sorted(batches)), kv_dtype=dtype, compilation_cache_dir=cache_dir,
-                                      step_xla_options=_no_options if xla_defaults else default_step_xla_options))
+                                      **options))
 
 
 def _no_options(bs: int) -> dict:
