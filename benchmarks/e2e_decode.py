@@ -43,6 +43,8 @@ time of a fresh process with an empty compilation cache (cold) and again with it
 """
 
 import argparse
+import dataclasses
+import functools
 import json
 import os
 import platform
@@ -249,20 +251,41 @@ def default_pool_tokens(config, wanted: int, dtype_bytes: int) -> int:
     return max(0, min(wanted, free // kv_bytes_read(config, 1, 1, dtype_bytes)))
 
 
-def build_engine(model, batches, max_context: int, pool_tokens: int, page: int, dtype: str, cache_dir=None, xla_defaults=False):
-    """The engine of the benchmark; xla_defaults compiles its decode steps without the runner's
-    XLA options (`runner.default_step_xla_options`)."""
+def build_engine(model, batches, max_context: int, pool_tokens: int, page: int, dtype: str, cache_dir=None, xla_defaults=False,
+                 xla_options: dict | None = None):
+    """The engine of the benchmark. Its decode steps compile with the runner's XLA options
+    (`runner.default_step_xla_options`), or XLA's defaults with xla_defaults; xla_options are set
+    on top of either for every bucket (an A/B of one option needs no code change)."""
     from decodejax.engine import Engine, EngineConfig
 
     num_pages = -(-pool_tokens // page) + 1
     options = dict(step_xla_options=_no_options) if xla_defaults else {}  # else EngineConfig's default
-    return Engine(model, EngineConfig(max_batch=max(batches), max_context=max_context, page_size=page, num_pages=num_pages,
-                                      capture_ladder=tuple(sorted(batches)), kv_dtype=dtype, compilation_cache_dir=cache_dir,
-                                      **options))
+    config = EngineConfig(max_batch=max(batches), max_context=max_context, page_size=page, num_pages=num_pages,
+                          capture_ladder=tuple(sorted(batches)), kv_dtype=dtype, compilation_cache_dir=cache_dir, **options)
+    if xla_options:
+        config = dataclasses.replace(config, step_xla_options=functools.partial(_with_options, config.step_xla_options, dict(xla_options)))
+    return Engine(model, config)
 
 
 def _no_options(bs: int) -> dict:
     return {}
+
+
+def _with_options(policy, extra: dict, bs: int) -> dict:
+    return {**policy(bs), **extra}
+
+
+def parse_xla_option(text: str) -> tuple[str, bool | int | str]:
+    """`--xla-option` KEY=VALUE: true/false as bools, integers as ints, anything else a string."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.startswith("xla_"):
+        raise argparse.ArgumentTypeError(f"--xla-option {text!r}: expected xla_NAME=VALUE")
+    if value.lower() in ("true", "false"):
+        return key, value.lower() == "true"
+    try:
+        return key, int(value)
+    except ValueError:
+        return key, value
 
 
 def startup(model_name: str, dtype: str, batches, max_context: int, cache_dir: str) -> dict:
@@ -297,6 +320,8 @@ def main(argv=None):
     parser.add_argument("--from-json", default=None, help="an earlier result of this script to add the peer to (no measuring)")
     parser.add_argument("--prefer-backends", default="", help="comma-separated backends automatic selection tries first")
     parser.add_argument("--xla-defaults", action="store_true", help="compile the decode steps with XLA's default options, not the runner's")
+    parser.add_argument("--xla-option", type=parse_xla_option, action="append", default=[], metavar="xla_NAME=VALUE",
+                        help="an XLA compile option set on top of the decode steps' options (repeatable)")
     parser.add_argument("--out", default="benchmarks/results/e2e_decode.json")
     args = parser.parse_args(argv)
     batches = [int(b) for b in args.batch.split(",")]
@@ -343,7 +368,8 @@ def measure_all(args, batches: list[int], contexts: list[int]) -> dict:
     print(f"model built in {build_s:.1f} s; pool of {pool_tokens} tokens", flush=True)
     prefer = tuple(n for n in args.prefer_backends.split(",") if n)
     with dispatch.preferring(*prefer):
-        engine = build_engine(model, batches, max(contexts) + extra + page, pool_tokens, page, args.dtype, xla_defaults=args.xla_defaults)
+        engine = build_engine(model, batches, max(contexts) + extra + page, pool_tokens, page, args.dtype, xla_defaults=args.xla_defaults,
+                              xla_options=dict(args.xla_option))
     print(f"captured {sorted(engine.capture_seconds)} in {sum(engine.capture_seconds.values()):.1f} s", flush=True)
     fill_pool_with_noise(engine)
     dbytes = jnp.dtype(args.dtype).itemsize

@@ -1,7 +1,10 @@
 """The command-line entry points: selfcheck and the README's main job."""
 
+import argparse
 import subprocess
 import sys
+
+import pytest
 
 from decodejax import evidence
 
@@ -53,3 +56,23 @@ def test_e2e_benchmark_samples_with_top_p_when_asked(tmp_path):
     result = run_e2e_benchmark(tmp_path, "--batch", "3", "--steps", "3", "--top-p", "0.9")
     assert result["sampling"] == {"top_p": 0.9}
     assert [len(r["step_ms_samples"]) for r in result["rows"]] == [3]
+
+
+def test_e2e_benchmark_sets_xla_options_on_top_of_the_step_policy(tmp_path):
+    """`--xla-option KEY=VALUE` (repeatable) adds compile options to every bucket's step, over the
+    runner's policy or, with `--xla-defaults`, over none; the result records what each bucket got."""
+    from benchmarks.e2e_decode import parse_xla_option
+    from decodejax.runner import default_step_xla_options
+
+    assert parse_xla_option("xla_gpu_enable_pdl=True") == ("xla_gpu_enable_pdl", True)
+    assert parse_xla_option("xla_gpu_graph_min_graph_size=3") == ("xla_gpu_graph_min_graph_size", 3)
+    assert parse_xla_option("xla_gpu_enable_command_buffer=FUSION") == ("xla_gpu_enable_command_buffer", "FUSION")
+    for bad in ("xla_gpu_enable_pdl", "gpu_enable_pdl=true"):
+        with pytest.raises(argparse.ArgumentTypeError, match="expected xla_NAME=VALUE"):
+            parse_xla_option(bad)
+    over_policy = run_e2e_benchmark(tmp_path, "--batch", "3", "--steps", "1", "--xla-option", "xla_gpu_enable_pdl=false",
+                                    "--xla-option", "xla_gpu_graph_min_graph_size=3")
+    assert over_policy["step_xla_options"] == {"3": {**default_step_xla_options(3), "xla_gpu_enable_pdl": False,
+                                                     "xla_gpu_graph_min_graph_size": 3}}
+    over_none = run_e2e_benchmark(tmp_path, "--batch", "3", "--steps", "1", "--xla-defaults", "--xla-option", "xla_gpu_enable_pdl=true")
+    assert over_none["step_xla_options"] == {"3": {"xla_gpu_enable_pdl": True}}
