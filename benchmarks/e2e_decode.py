@@ -20,11 +20,14 @@ Weight bytes read = every parameter except the embedding table, plus the `batch`
 rows gathered (a tied head reads the table as the head). K/V bytes read = batch x context x
 layers x H_kv x D x 2 x itemsize.
 
-Each shape also replays its compiled step back to back (`replay_ms`, ten calls a sync), meant as
-the step without the engine's host work. It is not a floor of the engine's step: on the H200 it
-read 0.37 to 0.48 ms above the engine's median step at every shape (benchmarks/results/
-e2e_decode_23de416.json), for a reason not yet found. Each step's time in the runner's submit
-(pack and dispatch) and fetch (the wait for its tokens) is kept beside it.
+Each shape also replays its compiled step back to back (`replay_ms`), meant as the step without
+the engine's host work: the time of 12 calls less that of 2, over 10, each run from an idle
+device (`steady_per_call_ms`). Until the thirty-fifth session it was ten calls' time over ten,
+which read 0.37 to 0.48 ms above the engine's median step at every shape (benchmarks/results/
+e2e_decode_23de416.json): on the H200 the first call's dispatch took 3.2 to 4.7 ms at B 1 (a
+host trace, benchmarks/README.md), with nothing queued for the device meanwhile, and that run
+charged it to all ten calls. Each step's time in the runner's submit (pack and dispatch) and
+fetch (the wait for its tokens) is kept beside it.
 
 The requests decode greedily. With `--top-p P` they sample (temperature 1, nucleus P, seeded):
 each step then also dispatches the runner's sorting `resample_step`, which the replay leaves
@@ -175,8 +178,9 @@ def measure(engine, batch: int, context: int, steps: int, warmup: int, rng, prof
     return row
 
 
-def replay_step_ms(engine, seated, samples: int = 10, reps: int = 10) -> list[float]:
-    """ms per call of the batch's compiled step replayed back to back (`reps` calls, one sync).
+def replay_step_ms(engine, seated, samples: int = 10, short: int = 2, long: int = 12) -> list[float]:
+    """ms per call of the batch's compiled step replayed back to back (`steady_per_call_ms` of runs
+    of `short` and `long` calls, each from an idle device and ended by one sync).
 
     The same packed batch each time (the next token's K/V slot is rewritten), so no host work
     runs between calls: the device-bound step time. The gap to `step_ms` is the engine's host
@@ -192,16 +196,30 @@ def replay_step_ms(engine, seated, samples: int = 10, reps: int = 10) -> list[fl
     bs = runner.bucket_for(len(rows))
     packed = pack_decode_batch(rows, bs=bs, router=runner.router, window=runner.config.window, vocab_size=runner.vocab_size)
     step, _ = runner.executable(bs)  # the benchmark's requests are greedy: no resample
-    out = []
-    for i in range(samples + 1):  # the first sample warms up
-        jax.block_until_ready(runner.buffers)
-        t = time.perf_counter()
-        for _ in range(reps):
+
+    def run(calls: int) -> None:
+        for _ in range(calls):
             runner.pool, runner.buffers, _, _ = step(runner.param_leaves, runner.pool, runner.buffers, runner.sampling, packed)
         jax.block_until_ready(runner.buffers)
-        if i:
-            out.append((time.perf_counter() - t) * 1e3 / reps)
-    return out
+
+    jax.block_until_ready(runner.buffers)
+    run(short)  # warm-up
+    return [steady_per_call_ms(run, short, long) for _ in range(samples)]
+
+
+def steady_per_call_ms(run, short: int, long: int) -> float:
+    """ms per call once calls follow each other: (time of run(long) - time of run(short)) / (long - short).
+
+    run(n) makes n calls from an idle device and waits for them. What each run pays once cancels:
+    the first call's dispatch, which the device waits for with nothing queued, and the final sync.
+    Dividing one run's time by its calls charged that once-per-run cost to every call (see the
+    module docstring)."""
+    def timed(calls: int) -> float:
+        t = time.perf_counter()
+        run(calls)
+        return (time.perf_counter() - t) * 1e3
+
+    return (timed(long) - timed(short)) / (long - short)
 
 
 def profile_engine_steps(engine, steps: int) -> dict:

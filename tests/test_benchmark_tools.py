@@ -546,3 +546,20 @@ def test_dense_ceiling_out_in_layout_holds_the_same_weights_and_computes_the_sam
     assert logits.shape == (3, config.vocab_size)
     np.testing.assert_allclose(np.asarray(logits_t), np.asarray(logits), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(float(kv_sum_t), float(kv_sum), rtol=1e-5, atol=1e-5)
+
+
+def test_e2e_replay_rate_leaves_out_what_each_run_pays_once():
+    """benchmarks.e2e_decode.steady_per_call_ms: a run's once-only cost (a first dispatch the device
+    waits for, the final sync) cancels in the difference of a short and a long run; one run's time
+    over its calls would charge it to every call."""
+    import time
+
+    from benchmarks.e2e_decode import steady_per_call_ms
+
+    once_ms, per_call_ms = 60.0, 5.0
+
+    def run(calls):
+        time.sleep((once_ms + calls * per_call_ms) / 1e3)
+
+    rate = steady_per_call_ms(run, short=2, long=12)
+    assert 3.5 < rate < 7.0, rate  # one run's time over its 12 calls would read 10 ms
