@@ -18,6 +18,7 @@
 #   e2e_top_p the same with nucleus sampling (the steps add the sorting resample) -> e2e_decode_top_p.json
 #   peer      transformers generate on the e2e shapes (own process) -> hf.json
 #   startup   capture time of fresh processes, cold then warm cache -> e2e_startup.json
+#   engine_gap the engine's step against replays of it that each put back one engine habit -> engine_gap.json
 #   ncu       Nsight Compute counters of the Triton and Mosaic kernels on NCU_CASES -> ncu_decode.json, ncu_exports.tar.gz
 # FlashInfer needs its wheels (../shared/tools/fetch_peer_wheels.sh): in .whl, or, since the
 # FlashInfer wheel alone nearly fills a device call's 64 MiB, unzipped and packed as
@@ -69,6 +70,9 @@ for stage in "$@"; do
       if [ -f "$OUT/e2e_decode.json" ]; then  # the comparison, into the e2e result
         python3 -m benchmarks.e2e_decode --from-json "$OUT/e2e_decode.json" --peer-json "$OUT/hf.json" --out "$OUT/e2e_decode.json"
       fi ;;
+    engine_gap)
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 python3 -m benchmarks.engine_gap --shapes "${GAP_SHAPES:-1x2048,8x2048,32x512}" \
+        --out "$OUT/engine_gap.json" ;;
     startup)
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 python3 -m benchmarks.e2e_decode --startup-only --out "$OUT/e2e_startup.json" ;;
     ncu)

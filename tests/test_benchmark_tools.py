@@ -563,3 +563,22 @@ def test_e2e_replay_rate_leaves_out_what_each_run_pays_once():
 
     rate = steady_per_call_ms(run, short=2, long=12)
     assert 3.5 < rate < 7.0, rate  # one run's time over its 12 calls would read 10 ms
+
+
+def test_engine_gap_times_every_replay_variant_beside_the_engine(tmp_path):
+    """benchmarks.engine_gap on the tiny preset (CPU): per shape, the engine's own steps and every
+    replay variant's samples (three a round), and the pool's pages all free again afterwards (it
+    raises otherwise)."""
+    import json
+
+    from benchmarks.engine_gap import VARIANTS, main
+
+    out = tmp_path / "gap.json"
+    main(["--model", "tiny", "--shapes", "1x24,3x24", "--dtype", "float32", "--rounds", "2", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["batch"], r["context"]) for r in rows] == [(1, 24), (3, 24)]
+    for r in rows:
+        assert len(r["engine_step_ms_samples"]) == 40 and r["engine_step_ms_median"] > 0
+        assert sorted(r["replay_ms_samples"]) == sorted(VARIANTS)
+        assert all(len(x) == 6 for x in r["replay_ms_samples"].values())
+        assert all(np.isfinite(ms) for ms in r["replay_ms_median"].values())  # a difference of two runs' times

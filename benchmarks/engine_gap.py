@@ -1,0 +1,130 @@
+"""Where the engine's decode step loses time against the same step replayed back to back.
+
+    python -m benchmarks.engine_gap --model llama3-8b --shapes 1x2048,32x512 --out gap.json
+
+On the H200 the engine's step read 0.12 to 0.41 ms above `e2e_decode.py`'s replay at every
+shape (thirty-fifth session, benchmarks/README.md); at B 1 that is the difference between 1.31x
+and 1.26x of the memory roofline. The replay differs from the engine in two ways, and each
+variant below puts one of them back into the replay:
+
+- how the packed metadata reaches the step: `numpy` (one host array, uploaded by every call, as
+  the replay passes it), `one_device` (one device array: the same address every call),
+  `two_device` (two device arrays in turns), `fresh_kept` (a new upload each call while the
+  previous call's stays alive, as the engine's step in flight keeps its own);
+- how the host waits: `depth1_wait` (after each call, wait for the previous call's tokens, as the
+  engine keeps one step in flight) and `depth1_fetch` (the same through the engine's host copy:
+  `copy_to_host_async`, then `np.asarray` of the previous call's tokens).
+
+Each variant's figure is `e2e_decode.steady_per_call_ms` (12 calls less 2, each run from an idle
+device), three samples a round, the variants in turns over `--rounds` rounds; the engine's own
+steps (`e2e_decode.timed_steps`) are timed first on the same seated batch. A variant that reads
+like the engine's step names the cause.
+"""
+
+import argparse
+import json
+import platform
+
+import numpy as np
+
+VARIANTS = ("numpy", "one_device", "two_device", "fresh_kept", "depth1_wait", "depth1_fetch")
+
+
+def replay_runs(runner, step, host_packed: np.ndarray) -> dict:
+    """variant -> run(calls): `calls` calls of the compiled step, then a wait for the last."""
+    import jax
+
+    one = jax.device_put(host_packed)
+    two = [jax.device_put(host_packed), jax.device_put(host_packed.copy())]
+    kept = []
+
+    def fresh_kept():
+        kept.append(jax.device_put(host_packed))
+        del kept[:-2]  # this call's and the previous call's
+        return kept[-1]
+
+    packed_of = {"numpy": lambda i: host_packed, "one_device": lambda i: one, "two_device": lambda i: two[i % 2],
+                 "fresh_kept": lambda i: fresh_kept(), "depth1_wait": lambda i: host_packed, "depth1_fetch": lambda i: host_packed}
+
+    def make(variant):
+        def run(calls: int) -> None:
+            previous = None
+            for i in range(calls):
+                runner.pool, runner.buffers, sampled, _ = step(runner.param_leaves, runner.pool, runner.buffers, runner.sampling,
+                                                               packed_of[variant](i))
+                if variant == "depth1_fetch":
+                    sampled.copy_to_host_async()
+                    if previous is not None:
+                        np.asarray(previous)
+                elif variant == "depth1_wait" and previous is not None:
+                    jax.block_until_ready(previous)
+                previous = sampled
+            jax.block_until_ready(runner.buffers)
+        return run
+
+    return {v: make(v) for v in VARIANTS}
+
+
+def measure_shape(engine, batch: int, context: int, rounds: int, engine_steps: int = 40) -> dict:
+    from benchmarks.e2e_decode import seat_prefilled, steady_per_call_ms, timed_steps
+    from decodejax.metadata import DecodeRow, pack_decode_batch
+
+    free_before = engine.allocator.num_free
+    seated = seat_prefilled(engine, batch, context, engine_steps + 8, np.random.default_rng(0))
+    for _ in range(3):
+        engine.step()
+    engine_ms = timed_steps(engine, batch, engine_steps)["step"]
+    engine.drain()  # the replays below overwrite the tokens a step in flight would read
+    runner = engine.runner
+    rows = [DecodeRow(r.slot, r.cached, (r.last_token,), {"main": r.blocks}) for r in seated]
+    bs = runner.bucket_for(len(rows))
+    host_packed = pack_decode_batch(rows, bs=bs, router=runner.router, window=runner.config.window, vocab_size=runner.vocab_size)
+    step, _ = runner.executable(bs)  # greedy requests: no resample
+    runs = replay_runs(runner, step, host_packed)
+    samples = {v: [] for v in VARIANTS}
+    for _ in range(rounds):
+        for variant, run in runs.items():
+            run(2)  # warm-up
+            samples[variant] += [steady_per_call_ms(run, 2, 12) for _ in range(3)]
+    for req in seated:
+        engine.abort(req.id)
+    if engine.allocator.num_free != free_before:
+        raise RuntimeError(f"free pages {engine.allocator.num_free} != {free_before} after the shape")
+    return {"batch": batch, "context": context, "engine_step_ms_samples": engine_ms, "engine_step_ms_median": float(np.median(engine_ms)),
+            "replay_ms_samples": samples, "replay_ms_median": {v: float(np.median(x)) for v, x in samples.items()}}
+
+
+def main(argv=None):
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks.e2e_decode import build_engine, fill_pool_with_noise, write_json
+    from decodejax import evidence
+    from models import llama
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="llama3-8b")
+    parser.add_argument("--shapes", default="1x2048,32x512", help="comma-separated BATCHxCONTEXT")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--pool-tokens", type=int, default=None, help="default: the shapes' largest batch x (context + 64)")
+    parser.add_argument("--out", default="benchmarks/results/engine_gap.json")
+    args = parser.parse_args(argv)
+    shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
+    batches, longest = sorted({b for b, _ in shapes}), max(t for _, t in shapes)
+    model = llama.random(args.model, dtype=jnp.dtype(args.dtype))
+    pool_tokens = args.pool_tokens or max(b * (t + 64) for b, t in shapes)
+    engine = build_engine(model, batches, longest + 64, pool_tokens, 16, args.dtype)
+    fill_pool_with_noise(engine)
+    result = {"machine": {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "python": platform.python_version()},
+              "source_commit": evidence.source_identity()["commit"], "model": args.model, "dtype": args.dtype, "rows": []}
+    for batch, context in shapes:
+        row = measure_shape(engine, batch, context, args.rounds)
+        result["rows"].append(row)
+        write_json(result, args.out)
+        print(f"B={batch:4d} T={context:5d}  engine step {row['engine_step_ms_median']:.3f} ms; replay: "
+              + ", ".join(f"{v} {ms:.3f}" for v, ms in row["replay_ms_median"].items()), flush=True)
+
+
+if __name__ == "__main__":
+    main()
