@@ -22,7 +22,6 @@ like the engine's step names the cause.
 """
 
 import argparse
-import json
 import platform
 
 import numpy as np
