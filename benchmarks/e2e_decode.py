@@ -183,28 +183,35 @@ def replay_step_ms(engine, seated, samples: int = 10, short: int = 2, long: int 
     of `short` and `long` calls, each from an idle device and ended by one sync).
 
     The same packed batch each time (the next token's K/V slot is rewritten), so no host work
-    runs between calls: the device-bound step time. The gap to `step_ms` is the engine's host
-    work between steps (scheduling, packing, dispatch, the token copy).
+    runs between calls: the device-bound step time. The gap to `step_ms` is what the engine adds
+    around its steps (`benchmarks/engine_gap.py` looks for where).
     """
     import jax
 
-    from decodejax.metadata import DecodeRow, pack_decode_batch
-
-    engine.drain()  # the replays below overwrite the sampled tokens a step in flight would read
-    runner = engine.runner
-    rows = [DecodeRow(r.slot, r.cached, (r.last_token,), {"main": r.blocks}) for r in seated]
-    bs = runner.bucket_for(len(rows))
-    packed = pack_decode_batch(rows, bs=bs, router=runner.router, window=runner.config.window, vocab_size=runner.vocab_size)
-    step, _ = runner.executable(bs)  # the benchmark's requests are greedy: no resample
+    runner, step, packed = replay_inputs(engine, seated)
 
     def run(calls: int) -> None:
         for _ in range(calls):
             runner.pool, runner.buffers, _, _ = step(runner.param_leaves, runner.pool, runner.buffers, runner.sampling, packed)
         jax.block_until_ready(runner.buffers)
 
-    jax.block_until_ready(runner.buffers)
     run(short)  # warm-up
     return [steady_per_call_ms(run, short, long) for _ in range(samples)]
+
+
+def replay_inputs(engine, seated):
+    """(runner, compiled step, packed batch) that replay the seated requests' decode step outside
+    the engine. Drains the engine first: a replay overwrites the sampled tokens a step in flight
+    would read."""
+    from decodejax.metadata import DecodeRow, pack_decode_batch
+
+    engine.drain()
+    runner = engine.runner
+    rows = [DecodeRow(r.slot, r.cached, (r.last_token,), {"main": r.blocks}) for r in seated]
+    bs = runner.bucket_for(len(rows))
+    packed = pack_decode_batch(rows, bs=bs, router=runner.router, window=runner.config.window, vocab_size=runner.vocab_size)
+    step, _ = runner.executable(bs)  # the benchmark's requests are greedy: no resample
+    return runner, step, packed
 
 
 def steady_per_call_ms(run, short: int, long: int) -> float:

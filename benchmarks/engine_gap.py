@@ -65,21 +65,14 @@ def replay_runs(runner, step, host_packed: np.ndarray) -> dict:
 
 
 def measure_shape(engine, batch: int, context: int, rounds: int, engine_steps: int = 40) -> dict:
-    from benchmarks.e2e_decode import seat_prefilled, steady_per_call_ms, timed_steps
-    from decodejax.metadata import DecodeRow, pack_decode_batch
+    from benchmarks.e2e_decode import replay_inputs, seat_prefilled, steady_per_call_ms, timed_steps
 
     free_before = engine.allocator.num_free
     seated = seat_prefilled(engine, batch, context, engine_steps + 8, np.random.default_rng(0))
     for _ in range(3):
         engine.step()
     engine_ms = timed_steps(engine, batch, engine_steps)["step"]
-    engine.drain()  # the replays below overwrite the tokens a step in flight would read
-    runner = engine.runner
-    rows = [DecodeRow(r.slot, r.cached, (r.last_token,), {"main": r.blocks}) for r in seated]
-    bs = runner.bucket_for(len(rows))
-    host_packed = pack_decode_batch(rows, bs=bs, router=runner.router, window=runner.config.window, vocab_size=runner.vocab_size)
-    step, _ = runner.executable(bs)  # greedy requests: no resample
-    runs = replay_runs(runner, step, host_packed)
+    runs = replay_runs(*replay_inputs(engine, seated))
     samples = {v: [] for v in VARIANTS}
     for _ in range(rounds):
         for variant, run in runs.items():
