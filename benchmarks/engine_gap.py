@@ -13,7 +13,11 @@ variant below puts one of them back into the replay:
   previous call's stays alive, as the engine's step in flight keeps its own);
 - how the host waits: `depth1_wait` (after each call, wait for the previous call's tokens, as the
   engine keeps one step in flight) and `depth1_fetch` (the same through the engine's host copy:
-  `copy_to_host_async`, then `np.asarray` of the previous call's tokens).
+  `copy_to_host_async`, then `np.asarray` of the previous call's tokens), `depth1_poll` (the
+  wait as a loop over `is_ready()` that never sleeps) and `depth2_wait` (two calls in flight).
+
+The engine's own steps are also timed with the runner's fetch polling the same way
+(`engine_poll_step_ms`).
 
 Each variant's figure is `e2e_decode.steady_per_call_ms` (12 calls less 2, each run from an idle
 device), three samples a round, the variants in turns over `--rounds` rounds; the engine's own
@@ -26,7 +30,19 @@ import platform
 
 import numpy as np
 
-VARIANTS = ("numpy", "one_device", "two_device", "fresh_kept", "depth1_wait", "depth1_fetch")
+VARIANTS = ("numpy", "one_device", "two_device", "fresh_kept", "depth1_wait", "depth1_fetch", "depth1_poll", "depth2_wait")
+
+
+def spin_until_ready(array) -> None:
+    """Polls `array.is_ready()` on this thread instead of sleeping in a blocking wait."""
+    while not array.is_ready():
+        pass
+
+
+def spinning_fetch(pending) -> np.ndarray:
+    """The runner's fetch, polling for the step's tokens before it reads them."""
+    spin_until_ready(pending.sampled)
+    return np.asarray(pending.sampled)[: pending.actual_bs]
 
 
 def replay_runs(runner, step, host_packed: np.ndarray) -> dict:
@@ -43,35 +59,50 @@ def replay_runs(runner, step, host_packed: np.ndarray) -> dict:
         return kept[-1]
 
     packed_of = {"numpy": lambda i: host_packed, "one_device": lambda i: one, "two_device": lambda i: two[i % 2],
-                 "fresh_kept": lambda i: fresh_kept(), "depth1_wait": lambda i: host_packed, "depth1_fetch": lambda i: host_packed}
+                 "fresh_kept": lambda i: fresh_kept()}
 
     def make(variant):
         def run(calls: int) -> None:
-            previous = None
+            outputs = []
             for i in range(calls):
-                runner.pool, runner.buffers, sampled, _ = step(runner.param_leaves, runner.pool, runner.buffers, runner.sampling,
-                                                               packed_of[variant](i))
+                packed = packed_of.get(variant, lambda i: host_packed)(i)
+                runner.pool, runner.buffers, sampled, _ = step(runner.param_leaves, runner.pool, runner.buffers, runner.sampling, packed)
                 if variant == "depth1_fetch":
                     sampled.copy_to_host_async()
-                    if previous is not None:
-                        np.asarray(previous)
-                elif variant == "depth1_wait" and previous is not None:
-                    jax.block_until_ready(previous)
-                previous = sampled
+                outputs = outputs[-2:] + [sampled]
+                if len(outputs) < 2:
+                    continue
+                if variant == "depth1_fetch":
+                    np.asarray(outputs[-2])
+                elif variant == "depth1_wait":
+                    jax.block_until_ready(outputs[-2])
+                elif variant == "depth1_poll":
+                    spin_until_ready(outputs[-2])
+                elif variant == "depth2_wait" and len(outputs) == 3:
+                    jax.block_until_ready(outputs[-3])
             jax.block_until_ready(runner.buffers)
         return run
 
     return {v: make(v) for v in VARIANTS}
 
 
-def measure_shape(engine, batch: int, context: int, rounds: int, engine_steps: int = 40) -> dict:
+ENGINE_STEPS = 40  # timed engine steps per run; two runs (blocking, polling) after three warm-up steps
+TOKENS_PAST_CONTEXT = 2 * ENGINE_STEPS + 16  # what a seated request generates, with room for the drains
+
+
+def measure_shape(engine, batch: int, context: int, rounds: int, engine_steps: int = ENGINE_STEPS) -> dict:
     from benchmarks.e2e_decode import replay_inputs, seat_prefilled, steady_per_call_ms, timed_steps
 
     free_before = engine.allocator.num_free
-    seated = seat_prefilled(engine, batch, context, engine_steps + 8, np.random.default_rng(0))
+    seated = seat_prefilled(engine, batch, context, 2 * engine_steps + 8, np.random.default_rng(0))
     for _ in range(3):
         engine.step()
     engine_ms = timed_steps(engine, batch, engine_steps)["step"]
+    engine.runner.fetch = spinning_fetch  # the instance's attribute hides the runner's fetch
+    try:
+        engine_poll_ms = timed_steps(engine, batch, engine_steps)["step"]
+    finally:
+        vars(engine.runner).pop("fetch", None)  # timed_steps may have dropped it already
     runs = replay_runs(*replay_inputs(engine, seated))
     samples = {v: [] for v in VARIANTS}
     for _ in range(rounds):
@@ -83,6 +114,7 @@ def measure_shape(engine, batch: int, context: int, rounds: int, engine_steps: i
     if engine.allocator.num_free != free_before:
         raise RuntimeError(f"free pages {engine.allocator.num_free} != {free_before} after the shape")
     return {"batch": batch, "context": context, "engine_step_ms_samples": engine_ms, "engine_step_ms_median": float(np.median(engine_ms)),
+            "engine_poll_step_ms_samples": engine_poll_ms, "engine_poll_step_ms_median": float(np.median(engine_poll_ms)),
             "replay_ms_samples": samples, "replay_ms_median": {v: float(np.median(x)) for v, x in samples.items()}}
 
 
@@ -99,14 +131,14 @@ def main(argv=None):
     parser.add_argument("--shapes", default="1x2048,32x512", help="comma-separated BATCHxCONTEXT")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--pool-tokens", type=int, default=None, help="default: the shapes' largest batch x (context + 64)")
+    parser.add_argument("--pool-tokens", type=int, default=None, help="default: the shapes' largest batch x (context + TOKENS_PAST_CONTEXT)")
     parser.add_argument("--out", default="benchmarks/results/engine_gap.json")
     args = parser.parse_args(argv)
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
     batches, longest = sorted({b for b, _ in shapes}), max(t for _, t in shapes)
     model = llama.random(args.model, dtype=jnp.dtype(args.dtype))
-    pool_tokens = args.pool_tokens or max(b * (t + 64) for b, t in shapes)
-    engine = build_engine(model, batches, longest + 64, pool_tokens, 16, args.dtype)
+    pool_tokens = args.pool_tokens or max(b * (t + TOKENS_PAST_CONTEXT) for b, t in shapes)
+    engine = build_engine(model, batches, longest + TOKENS_PAST_CONTEXT, pool_tokens, 16, args.dtype)
     fill_pool_with_noise(engine)
     result = {"machine": {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "python": platform.python_version()},
               "source_commit": evidence.source_identity()["commit"], "model": args.model, "dtype": args.dtype, "rows": []}
@@ -114,7 +146,7 @@ def main(argv=None):
         row = measure_shape(engine, batch, context, args.rounds)
         result["rows"].append(row)
         write_json(result, args.out)
-        print(f"B={batch:4d} T={context:5d}  engine step {row['engine_step_ms_median']:.3f} ms; replay: "
+        print(f"B={batch:4d} T={context:5d}  engine step {row['engine_step_ms_median']:.3f} ms (polling {row['engine_poll_step_ms_median']:.3f}); replay: "
               + ", ".join(f"{v} {ms:.3f}" for v, ms in row["replay_ms_median"].items()), flush=True)
 
 
