@@ -17,7 +17,9 @@ variant below puts one of them back into the replay:
   wait as a loop over `is_ready()` that never sleeps) and `depth2_wait` (two calls in flight).
 
 The engine's own steps are also timed with the runner's fetch polling the same way
-(`engine_poll_step_ms`).
+(`engine_poll_step_ms`). `--trace` traces TRACED_CALLS calls of the engine and of
+TRACED_VARIANTS' replays and records each call's GPU kernel span and the GPU's wait after it:
+whether a slower variant's calls take longer on the GPU or leave it waiting between them.
 
 Each variant's figure is `e2e_decode.steady_per_call_ms` (12 calls less 2, each run from an idle
 device), three samples a round, the variants in turns over `--rounds` rounds; the engine's own
@@ -87,14 +89,42 @@ def replay_runs(runner, step, host_packed: np.ndarray) -> dict:
 
 
 ENGINE_STEPS = 40  # timed engine steps per run; two runs (blocking, polling) after three warm-up steps
-TOKENS_PAST_CONTEXT = 2 * ENGINE_STEPS + 16  # what a seated request generates, with room for the drains
+TRACED_CALLS = 16  # calls (engine steps) of each traced run
+TRACED_VARIANTS = ("numpy", "depth1_wait", "depth2_wait")
+TOKENS_PAST_CONTEXT = 2 * ENGINE_STEPS + TRACED_CALLS + 16  # what a seated request generates, with room for the drains
 
 
-def measure_shape(engine, batch: int, context: int, rounds: int, engine_steps: int = ENGINE_STEPS) -> dict:
+def traced_calls(run_and_finish, calls: int) -> dict:
+    """The GPU's kernel span of each call and its wait before the next, medians and all, over a
+    jax.profiler trace (no Python tracer) of run_and_finish(), which makes `calls` calls."""
+    from benchmarks.profile_summary import call_spans_and_gaps, traced
+
+    planes, _ = traced(run_and_finish, python_tracer=False)
+    per_call = call_spans_and_gaps(planes, calls)
+    return per_call | {"span_us_median": float(np.median(per_call["span_us"])), "gap_us_median": float(np.median(per_call["gap_us"])),
+                       "gap_us_mean": float(np.mean(per_call["gap_us"]))}
+
+
+def trace_engine_and_replays(engine, runs: dict, calls: int = TRACED_CALLS) -> dict:
+    """`traced_calls` of the engine's steps (drained before and after: calls - 1 engine steps
+    dispatch `calls` steps) and of each of TRACED_VARIANTS' replays."""
+    def engine_run():
+        for _ in range(calls - 1):
+            engine.step()
+        engine.drain()
+
+    engine.drain()
+    traces = {"engine": traced_calls(engine_run, calls)}
+    for variant in TRACED_VARIANTS:
+        traces[variant] = traced_calls(lambda: runs[variant](calls), calls)
+    return traces
+
+
+def measure_shape(engine, batch: int, context: int, rounds: int, trace: bool = False, engine_steps: int = ENGINE_STEPS) -> dict:
     from benchmarks.e2e_decode import replay_inputs, seat_prefilled, steady_per_call_ms, timed_steps
 
     free_before = engine.allocator.num_free
-    seated = seat_prefilled(engine, batch, context, 2 * engine_steps + 8, np.random.default_rng(0))
+    seated = seat_prefilled(engine, batch, context, TOKENS_PAST_CONTEXT - 8, np.random.default_rng(0))
     for _ in range(3):
         engine.step()
     engine_ms = timed_steps(engine, batch, engine_steps)["step"]
@@ -109,13 +139,15 @@ def measure_shape(engine, batch: int, context: int, rounds: int, engine_steps: i
         for variant, run in runs.items():
             run(2)  # warm-up
             samples[variant] += [steady_per_call_ms(run, 2, 12) for _ in range(3)]
+    traces = trace_engine_and_replays(engine, runs) if trace else None
     for req in seated:
         engine.abort(req.id)
     if engine.allocator.num_free != free_before:
         raise RuntimeError(f"free pages {engine.allocator.num_free} != {free_before} after the shape")
     return {"batch": batch, "context": context, "engine_step_ms_samples": engine_ms, "engine_step_ms_median": float(np.median(engine_ms)),
             "engine_poll_step_ms_samples": engine_poll_ms, "engine_poll_step_ms_median": float(np.median(engine_poll_ms)),
-            "replay_ms_samples": samples, "replay_ms_median": {v: float(np.median(x)) for v, x in samples.items()}}
+            "replay_ms_samples": samples, "replay_ms_median": {v: float(np.median(x)) for v, x in samples.items()}} | (
+            {"traced": traces} if trace else {})
 
 
 def main(argv=None):
@@ -131,6 +163,7 @@ def main(argv=None):
     parser.add_argument("--shapes", default="1x2048,32x512", help="comma-separated BATCHxCONTEXT")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--trace", action="store_true", help="also trace the engine's and some replays' calls: GPU span and wait per call")
     parser.add_argument("--pool-tokens", type=int, default=None, help="default: the shapes' largest batch x (context + TOKENS_PAST_CONTEXT)")
     parser.add_argument("--out", default="benchmarks/results/engine_gap.json")
     args = parser.parse_args(argv)
@@ -143,11 +176,14 @@ def main(argv=None):
     result = {"machine": {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "python": platform.python_version()},
               "source_commit": evidence.source_identity()["commit"], "model": args.model, "dtype": args.dtype, "rows": []}
     for batch, context in shapes:
-        row = measure_shape(engine, batch, context, args.rounds)
+        row = measure_shape(engine, batch, context, args.rounds, args.trace)
         result["rows"].append(row)
         write_json(result, args.out)
         print(f"B={batch:4d} T={context:5d}  engine step {row['engine_step_ms_median']:.3f} ms (polling {row['engine_poll_step_ms_median']:.3f}); replay: "
               + ", ".join(f"{v} {ms:.3f}" for v, ms in row["replay_ms_median"].items()), flush=True)
+        for name, t in row.get("traced", {}).items():
+            print(f"    traced {name:12s} GPU span {t['span_us_median']:.1f} us/call, wait after it median {t['gap_us_median']:.1f} "
+                  f"mean {t['gap_us_mean']:.1f} us", flush=True)
 
 
 if __name__ == "__main__":

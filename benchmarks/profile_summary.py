@@ -4,6 +4,7 @@
     summary = summarize_planes(load_planes(trace_dir), steps=N)
     timeline = stream_timeline(planes, steps=N)  # GPU busy and idle, and the host's traced work
     spans = program_spans(planes, runs=R, calls=N)  # GPU time per call of each of R runs of one program
+    per_call = call_spans_and_gaps(planes, calls=N)  # each call's kernel span and the GPU's wait after it
 
 `stream_timeline` answers what the sums cannot: whether the GPU waits between launches (the
 idle time from the first launch's start to the last one's end) and what the host's traced
@@ -28,6 +29,7 @@ DEVICE_PLANE_PREFIX = "/device:GPU"
 STREAM_LINE_PREFIX = "Stream"
 HOST_PLANE_PREFIX = "/host:CPU"
 PYTHON_EVENT_PREFIX = "$"  # the Python tracer's function events
+COPY_EVENT_PREFIXES = ("Memcpy", "Memset")  # CUPTI's names for copies and fills on a stream line
 
 
 def summarize_planes(planes, steps: int, top: int = 15) -> dict:
@@ -104,6 +106,23 @@ def program_spans(planes, runs: int, calls: int) -> list[float]:
     n = len(events) // runs
     chunks = [events[i * n:(i + 1) * n] for i in range(runs)]
     return [(max(end for _, end in chunk) - chunk[0][0]) / calls / 1e3 for chunk in chunks]
+
+
+def call_spans_and_gaps(planes, calls: int) -> dict:
+    """Per call of one program traced `calls` times in a row: its kernels' span (first start to
+    last end) and the GPU's wait from that end to the next call's first kernel, in microseconds.
+    Copies are left out (a host array's upload runs ahead of the calls it feeds), so the kernels
+    in start order cut into `calls` runs of equal count."""
+    kernels = sorted((e.start_ns, e.start_ns + e.duration_ns) for plane in planes if plane.name.startswith(DEVICE_PLANE_PREFIX)
+                     for line in plane.lines if line.name.startswith(STREAM_LINE_PREFIX) for e in line.events
+                     if not e.name.startswith(COPY_EVENT_PREFIXES))
+    if not kernels or len(kernels) % calls:
+        raise ValueError(f"{len(kernels)} GPU kernels do not split into calls={calls} calls of one program")
+    n = len(kernels) // calls
+    chunks = [kernels[i * n:(i + 1) * n] for i in range(calls)]
+    ends = [max(end for _, end in chunk) for chunk in chunks]
+    return {"kernels_per_call": n, "span_us": [(end - chunk[0][0]) / 1e3 for chunk, end in zip(chunks, ends)],
+            "gap_us": [(later[0][0] - end) / 1e3 for end, later in zip(ends, chunks[1:])]}
 
 
 def load_planes(trace_dir: str) -> list:

@@ -72,7 +72,7 @@ for stage in "$@"; do
       fi ;;
     engine_gap)
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 python3 -m benchmarks.engine_gap --shapes "${GAP_SHAPES:-1x2048,8x2048,32x512}" \
-        --out "$OUT/engine_gap.json" ;;
+        --out "$OUT/engine_gap.json" ${GAP_ARGS:-} ;;  # e.g. GAP_ARGS=--trace
     startup)
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 python3 -m benchmarks.e2e_decode --startup-only --out "$OUT/e2e_startup.json" ;;
     ncu)

@@ -6,7 +6,7 @@ from types import SimpleNamespace as NS
 import numpy as np
 import pytest
 
-from benchmarks.profile_summary import program_spans, stream_timeline, summarize_planes
+from benchmarks.profile_summary import call_spans_and_gaps, program_spans, stream_timeline, summarize_planes
 
 
 def _line(name, *events):
@@ -64,6 +64,21 @@ def test_program_spans_cut_the_trace_into_runs_of_one_program_and_leave_the_gaps
     assert program_spans(planes, runs=2, calls=2) == [pytest.approx(25.0), pytest.approx(20.0)]
     with pytest.raises(ValueError, match="runs=3"):  # 8 events are not 3 runs of one program
         program_spans(planes, runs=3, calls=2)
+
+
+def test_call_spans_and_gaps_cut_the_kernels_into_calls_and_leave_copies_out():
+    # three calls of two kernels: 0..30, 32..60 (PDL-like overlap of 2 us: 28 < 30 inside call 1)
+    # and 100..130; the host array uploads for later calls run ahead on their own stream
+    compute = _timed_line("Stream #13(Compute)", ("a", 0, 20_000), ("b", 20_000, 10_000), ("a", 32_000, 18_000), ("b", 48_000, 12_000),
+                          ("a", 100_000, 20_000), ("b", 120_000, 10_000))
+    copies = _timed_line("Stream #14(MemcpyH2D)", ("MemcpyH2D", 5_000, 1_000), ("MemcpyH2D", 6_000, 1_000), ("Memset", 40_000, 1_000))
+    planes = [NS(name="/device:GPU:0", lines=[compute, copies, _timed_line("XLA Ops", ("fusion.1", 0, 200_000))])]
+    got = call_spans_and_gaps(planes, calls=3)
+    assert got["kernels_per_call"] == 2
+    assert got["span_us"] == [pytest.approx(30.0), pytest.approx(28.0), pytest.approx(30.0)]
+    assert got["gap_us"] == [pytest.approx(2.0), pytest.approx(40.0)]
+    with pytest.raises(ValueError, match="calls=4"):
+        call_spans_and_gaps(planes, calls=4)
 
 
 def test_hopper_compile_reads_each_kernels_triton_ir_from_the_cuda_lowering():
