@@ -14,7 +14,11 @@ variant below puts one of them back into the replay:
 - how the host waits: `depth1_wait` (after each call, wait for the previous call's tokens, as the
   engine keeps one step in flight) and `depth1_fetch` (the same through the engine's host copy:
   `copy_to_host_async`, then `np.asarray` of the previous call's tokens), `depth1_poll` (the
-  wait as a loop over `is_ready()` that never sleeps) and `depth2_wait` (two calls in flight).
+  wait as a loop over `is_ready()` that never sleeps), `depth2_wait` and `depth8_wait` (two and
+  eight calls left in flight);
+- and two that never wait: `numpy_query` (asks `is_ready()` of the previous call's tokens once a
+  call) and `numpy_paced` (dispatches at 0.97 of the numpy replay's rate, so every call is
+  dispatched while the one before runs, as in the engine, without waiting on a buffer).
 
 The engine's own steps are also timed with the runner's fetch polling the same way
 (`engine_poll_step_ms`). `--trace` traces TRACED_CALLS calls of the engine and of
@@ -32,7 +36,9 @@ import platform
 
 import numpy as np
 
-VARIANTS = ("numpy", "one_device", "two_device", "fresh_kept", "depth1_wait", "depth1_fetch", "depth1_poll", "depth2_wait")
+VARIANTS = ("numpy", "one_device", "two_device", "fresh_kept", "depth1_wait", "depth1_fetch", "depth1_poll", "depth2_wait", "depth8_wait",
+            "numpy_query", "numpy_paced")
+WAIT_DEPTH = {"depth1_wait": 1, "depth2_wait": 2, "depth8_wait": 8}  # calls left in flight while the host waits
 
 
 def spin_until_ready(array) -> None:
@@ -49,7 +55,11 @@ def spinning_fetch(pending) -> np.ndarray:
 
 def replay_runs(runner, step, host_packed: np.ndarray) -> dict:
     """variant -> run(calls): `calls` calls of the compiled step, then a wait for the last."""
+    import time
+
     import jax
+
+    from benchmarks.e2e_decode import steady_per_call_ms
 
     one = jax.device_put(host_packed)
     two = [jax.device_put(host_packed), jax.device_put(host_packed.copy())]
@@ -63,29 +73,38 @@ def replay_runs(runner, step, host_packed: np.ndarray) -> dict:
     packed_of = {"numpy": lambda i: host_packed, "one_device": lambda i: one, "two_device": lambda i: two[i % 2],
                  "fresh_kept": lambda i: fresh_kept()}
 
+    pace_s = 0.0  # numpy_paced's host period: set below from the numpy replay's rate
+
     def make(variant):
         def run(calls: int) -> None:
-            outputs = []
+            outputs, start = [], time.perf_counter()
             for i in range(calls):
                 packed = packed_of.get(variant, lambda i: host_packed)(i)
                 runner.pool, runner.buffers, sampled, _ = step(runner.param_leaves, runner.pool, runner.buffers, runner.sampling, packed)
                 if variant == "depth1_fetch":
                     sampled.copy_to_host_async()
-                outputs = outputs[-2:] + [sampled]
-                if len(outputs) < 2:
+                outputs = outputs[-8:] + [sampled]
+                depth = WAIT_DEPTH.get(variant)
+                if depth is not None and len(outputs) > depth:
+                    jax.block_until_ready(outputs[-1 - depth])
+                elif len(outputs) < 2:
                     continue
-                if variant == "depth1_fetch":
+                elif variant == "depth1_fetch":
                     np.asarray(outputs[-2])
-                elif variant == "depth1_wait":
-                    jax.block_until_ready(outputs[-2])
                 elif variant == "depth1_poll":
                     spin_until_ready(outputs[-2])
-                elif variant == "depth2_wait" and len(outputs) == 3:
-                    jax.block_until_ready(outputs[-3])
+                elif variant == "numpy_query":
+                    outputs[-2].is_ready()
+                elif variant == "numpy_paced":
+                    while time.perf_counter() < start + (i + 1) * pace_s:
+                        pass
             jax.block_until_ready(runner.buffers)
         return run
 
-    return {v: make(v) for v in VARIANTS}
+    runs = {v: make(v) for v in VARIANTS}
+    runs["numpy"](2)
+    pace_s = 0.97 * steady_per_call_ms(runs["numpy"], 2, 12) / 1e3
+    return runs
 
 
 ENGINE_STEPS = 40  # timed engine steps per run; two runs (blocking, polling) after three warm-up steps
