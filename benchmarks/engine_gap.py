@@ -20,6 +20,10 @@ variant below puts one of them back into the replay:
   call) and `numpy_paced` (dispatches at 0.97 of the numpy replay's rate, so every call is
   dispatched while the one before runs, as in the engine, without waiting on a buffer).
 
+`numpy_tail` is the numpy replay timed as 32 calls less 22: calls that the GPU runs after the
+host has dispatched them all (12 less 2 keeps about half of them running while the host still
+dispatches), so it tells whether the GPU runs a call slower while the host dispatches the next.
+
 The engine's own steps are also timed with the runner's fetch polling the same way
 (`engine_poll_step_ms`). `--trace` traces TRACED_CALLS calls of the engine and of
 TRACED_VARIANTS' replays and records each call's GPU kernel span and the GPU's wait after it:
@@ -153,11 +157,12 @@ def measure_shape(engine, batch: int, context: int, rounds: int, trace: bool = F
     finally:
         vars(engine.runner).pop("fetch", None)  # timed_steps may have dropped it already
     runs = replay_runs(*replay_inputs(engine, seated))
-    samples = {v: [] for v in VARIANTS}
+    samples = {v: [] for v in VARIANTS + ("numpy_tail",)}
     for _ in range(rounds):
         for variant, run in runs.items():
             run(2)  # warm-up
             samples[variant] += [steady_per_call_ms(run, 2, 12) for _ in range(3)]
+        samples["numpy_tail"] += [steady_per_call_ms(runs["numpy"], 22, 32) for _ in range(3)]
     traces = trace_engine_and_replays(engine, runs) if trace else None
     for req in seated:
         engine.abort(req.id)
