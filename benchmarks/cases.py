@@ -39,6 +39,9 @@ CASES = (
     Case("ragged_B32_T1-16384", 32, 16384, ragged=True),
     Case("mha_B32_T4096", 32, 4096, q_heads=32, kv_heads=32),
     Case("d64_B32_T4096", 32, 4096, head_dim=64),
+    # the llama3-8b engine's B 1 steps (issue 6): short contexts, where a call's latency counts
+    Case("B1_T2048", 1, 2048, tags=("e2e",)),
+    Case("B1_T8192", 1, 8192, tags=("e2e",)),
 )
 
 # Small versions of the same specs: CI runs them in interpret mode for correctness.

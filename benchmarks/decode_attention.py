@@ -300,7 +300,7 @@ def main(argv=None):
     except Exception:
         pass
     for case in bench_cases.selected(args.cases):
-        run_case(case, results, sweep="target" in case.tags and not (args.ours_only or args.no_sweep), tune=case.name in args.tune.split(","),
+        run_case(case, results, sweep=bool({"target", "e2e"} & set(case.tags)) and not (args.ours_only or args.no_sweep), tune=case.name in args.tune.split(","),
                  ours_only=args.ours_only, tune_mosaic=case.name in args.tune_mosaic.split(","))
         json.dump(results, open(args.out, "w"), indent=1)
     finish(results, args.flashinfer, args.out)
