@@ -15,7 +15,8 @@ variant below puts one of them back into the replay:
   engine keeps one step in flight) and `depth1_fetch` (the same through the engine's host copy:
   `copy_to_host_async`, then `np.asarray` of the previous call's tokens), `depth1_poll` (the
   wait as a loop over `is_ready()` that never sleeps), `depth2_wait` and `depth8_wait` (two and
-  eight calls left in flight);
+  eight calls left in flight), `depth1_late` (depth1_wait, then LATE_DISPATCH_S before the next
+  dispatch: whether dispatching right as the GPU starts a call is what costs);
 - and two that never wait: `numpy_query` (asks `is_ready()` of the previous call's tokens once a
   call) and `numpy_paced` (dispatches at 0.97 of the numpy replay's rate, so every call is
   dispatched while the one before runs, as in the engine, without waiting on a buffer).
@@ -41,7 +42,8 @@ import platform
 import numpy as np
 
 VARIANTS = ("numpy", "one_device", "two_device", "fresh_kept", "depth1_wait", "depth1_fetch", "depth1_poll", "depth2_wait", "depth8_wait",
-            "numpy_query", "numpy_paced")
+            "depth1_late", "numpy_query", "numpy_paced")
+LATE_DISPATCH_S = 1e-3  # depth1_late: the host's pause between a call's tokens and the next dispatch
 WAIT_DEPTH = {"depth1_wait": 1, "depth2_wait": 2, "depth8_wait": 8}  # calls left in flight while the host waits
 
 
@@ -91,6 +93,9 @@ def replay_runs(runner, step, host_packed: np.ndarray) -> dict:
                 depth = WAIT_DEPTH.get(variant)
                 if depth is not None and len(outputs) > depth:
                     jax.block_until_ready(outputs[-1 - depth])
+                elif variant == "depth1_late" and len(outputs) > 1:
+                    jax.block_until_ready(outputs[-2])
+                    time.sleep(LATE_DISPATCH_S)
                 elif len(outputs) < 2:
                     continue
                 elif variant == "depth1_fetch":
