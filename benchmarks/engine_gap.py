@@ -4,8 +4,8 @@
 
 On the H200 the engine's step read 0.12 to 0.41 ms above `e2e_decode.py`'s replay at every
 shape (thirty-fifth session, benchmarks/README.md); at B 1 that is the difference between 1.31x
-and 1.26x of the memory roofline. The replay differs from the engine in two ways, and each
-variant below puts one of them back into the replay:
+and 1.26x of the memory roofline. Each variant below changes one thing
+about the replay, most of them towards what the engine does:
 
 - how the packed metadata reaches the step: `numpy` (one host array, uploaded by every call, as
   the replay passes it), `one_device` (one device array: the same address every call),
@@ -19,7 +19,8 @@ variant below puts one of them back into the replay:
   dispatch: whether dispatching right as the GPU starts a call is what costs);
 - and two that never wait: `numpy_query` (asks `is_ready()` of the previous call's tokens once a
   call) and `numpy_paced` (dispatches at 0.97 of the numpy replay's rate, so every call is
-  dispatched while the one before runs, as in the engine, without waiting on a buffer).
+  dispatched while the one before runs, as in the engine, without waiting on a buffer; the host
+  then leads the GPU by only 3% of a call, so a late dispatch idles the GPU).
 
 `numpy_tail` is the numpy replay timed as 32 calls less 22: calls that the GPU runs after the
 host has dispatched them all (12 less 2 keeps about half of them running while the host still
@@ -34,6 +35,11 @@ Each variant's figure is `e2e_decode.steady_per_call_ms` (12 calls less 2, each 
 device), three samples a round, the variants in turns over `--rounds` rounds; the engine's own
 steps (`e2e_decode.timed_steps`) are timed first on the same seated batch. A variant that reads
 like the engine's step names the cause.
+
+Thirty-sixth session (benchmarks/README.md): the engine's step read like `depth1_wait` and
+`depth1_fetch` in every run, 0.05 to 0.14 ms above `numpy`; neither the metadata's upload, nor
+sleeping in the wait, nor asking `is_ready()`, nor dispatching 1 ms later moved the depth-1 figure,
+and under the profiler every variant's calls had the same GPU span and gaps.
 """
 
 import argparse
