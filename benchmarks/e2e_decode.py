@@ -124,9 +124,10 @@ def seat_prefilled(engine, batch: int, context: int, max_new_tokens: int, rng, t
     return seated
 
 
-def timed_steps(engine, batch: int, steps: int) -> dict:
+def timed_steps(engine, batch: int, steps: int, fetch=None) -> dict:
     """ms of each of `steps` engine steps, and of the parts of each spent in the runner's submit
-    (pack and dispatch) and fetch (waiting for the tokens); the rest is the engine's own work."""
+    (pack and dispatch) and fetch (waiting for the tokens); the rest is the engine's own work.
+    `fetch(pending)`, if given, stands in for the runner's fetch during these steps."""
     runner, parts = engine.runner, {"submit": [0.0], "fetch": [0.0]}
 
     def timed(name, method):
@@ -138,7 +139,7 @@ def timed_steps(engine, batch: int, steps: int) -> dict:
                 parts[name][-1] += (time.perf_counter() - t) * 1e3
         return call
 
-    runner.submit, runner.fetch = timed("submit", runner.submit), timed("fetch", runner.fetch)  # instance attributes shadow the methods
+    runner.submit, runner.fetch = timed("submit", runner.submit), timed("fetch", fetch or runner.fetch)  # instance attributes shadow the methods
     try:
         times = []
         for _ in range(steps):

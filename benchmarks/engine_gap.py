@@ -50,7 +50,7 @@ import numpy as np
 VARIANTS = ("numpy", "one_device", "two_device", "fresh_kept", "depth1_wait", "depth1_fetch", "depth1_poll", "depth2_wait", "depth8_wait",
             "depth1_late", "numpy_query", "numpy_paced")
 LATE_DISPATCH_S = 1e-3  # depth1_late: the host's pause between a call's tokens and the next dispatch
-WAIT_DEPTH = {"depth1_wait": 1, "depth2_wait": 2, "depth8_wait": 8}  # calls left in flight while the host waits
+WAIT_DEPTH = {"depth1_wait": 1, "depth2_wait": 2, "depth8_wait": 8, "depth1_late": 1}  # calls left in flight while the host waits
 
 
 def spin_until_ready(array) -> None:
@@ -61,8 +61,10 @@ def spin_until_ready(array) -> None:
 
 def spinning_fetch(pending) -> np.ndarray:
     """The runner's fetch, polling for the step's tokens before it reads them."""
+    from decodejax.runner import DecodeRunner
+
     spin_until_ready(pending.sampled)
-    return np.asarray(pending.sampled)[: pending.actual_bs]
+    return DecodeRunner.fetch(pending)
 
 
 def replay_runs(runner, step, host_packed: np.ndarray) -> dict:
@@ -99,9 +101,8 @@ def replay_runs(runner, step, host_packed: np.ndarray) -> dict:
                 depth = WAIT_DEPTH.get(variant)
                 if depth is not None and len(outputs) > depth:
                     jax.block_until_ready(outputs[-1 - depth])
-                elif variant == "depth1_late" and len(outputs) > 1:
-                    jax.block_until_ready(outputs[-2])
-                    time.sleep(LATE_DISPATCH_S)
+                    if variant == "depth1_late":
+                        time.sleep(LATE_DISPATCH_S)
                 elif len(outputs) < 2:
                     continue
                 elif variant == "depth1_fetch":
@@ -154,19 +155,15 @@ def trace_engine_and_replays(engine, runs: dict, calls: int = TRACED_CALLS) -> d
     return traces
 
 
-def measure_shape(engine, batch: int, context: int, rounds: int, trace: bool = False, engine_steps: int = ENGINE_STEPS) -> dict:
+def measure_shape(engine, batch: int, context: int, rounds: int, trace: bool = False) -> dict:
     from benchmarks.e2e_decode import replay_inputs, seat_prefilled, steady_per_call_ms, timed_steps
 
     free_before = engine.allocator.num_free
     seated = seat_prefilled(engine, batch, context, TOKENS_PAST_CONTEXT - 8, np.random.default_rng(0))
     for _ in range(3):
         engine.step()
-    engine_ms = timed_steps(engine, batch, engine_steps)["step"]
-    engine.runner.fetch = spinning_fetch  # the instance's attribute hides the runner's fetch
-    try:
-        engine_poll_ms = timed_steps(engine, batch, engine_steps)["step"]
-    finally:
-        vars(engine.runner).pop("fetch", None)  # timed_steps may have dropped it already
+    engine_ms = timed_steps(engine, batch, ENGINE_STEPS)["step"]
+    engine_poll_ms = timed_steps(engine, batch, ENGINE_STEPS, fetch=spinning_fetch)["step"]
     runs = replay_runs(*replay_inputs(engine, seated))
     samples = {v: [] for v in VARIANTS + ("numpy_tail",)}
     for _ in range(rounds):

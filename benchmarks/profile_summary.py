@@ -60,10 +60,20 @@ def _percentile(sorted_values: list, q: float):
     return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))] if sorted_values else None
 
 
-def _stream_events(planes) -> list[tuple[int, int]]:
-    """(start ns, end ns) of every event on the GPU planes' stream lines, in start order."""
+def _stream_events(planes, skip_prefixes: tuple[str, ...] = ()) -> list[tuple[int, int]]:
+    """(start ns, end ns) of every event on the GPU planes' stream lines, in start order, less
+    those whose names start with one of `skip_prefixes`."""
     return sorted((e.start_ns, e.start_ns + e.duration_ns) for plane in planes if plane.name.startswith(DEVICE_PLANE_PREFIX)
-                  for line in plane.lines if line.name.startswith(STREAM_LINE_PREFIX) for e in line.events)
+                  for line in plane.lines if line.name.startswith(STREAM_LINE_PREFIX) for e in line.events
+                  if not (skip_prefixes and e.name.startswith(skip_prefixes)))
+
+
+def _equal_runs(events: list, runs: int, what: str) -> list[list]:
+    """`events` cut into `runs` consecutive runs of equal count; an error if they do not divide."""
+    if not events or len(events) % runs:
+        raise ValueError(f"{len(events)} GPU {what} do not split into {runs} runs of one program")
+    n = len(events) // runs
+    return [events[i * n:(i + 1) * n] for i in range(runs)]
 
 
 def stream_timeline(planes, steps: int, top: int = 12) -> dict:
@@ -100,11 +110,7 @@ def program_spans(planes, runs: int, calls: int) -> list[float]:
     back to back: the stream events in start order cut into `runs` runs of equal count, each
     run's first start to last end, over `calls`. The host's dispatch of a run and the GPU's wait
     between runs are left out, as CUDA events around a CUDA graph's replays leave them out."""
-    events = _stream_events(planes)
-    if not events or len(events) % runs:
-        raise ValueError(f"{len(events)} GPU events do not split into runs={runs} runs of one program")
-    n = len(events) // runs
-    chunks = [events[i * n:(i + 1) * n] for i in range(runs)]
+    chunks = _equal_runs(_stream_events(planes), runs, f"events (runs={runs})")
     return [(max(end for _, end in chunk) - chunk[0][0]) / calls / 1e3 for chunk in chunks]
 
 
@@ -113,15 +119,9 @@ def call_spans_and_gaps(planes, calls: int) -> dict:
     last end) and the GPU's wait from that end to the next call's first kernel, in microseconds.
     Copies are left out (a host array's upload runs ahead of the calls it feeds), so the kernels
     in start order cut into `calls` runs of equal count."""
-    kernels = sorted((e.start_ns, e.start_ns + e.duration_ns) for plane in planes if plane.name.startswith(DEVICE_PLANE_PREFIX)
-                     for line in plane.lines if line.name.startswith(STREAM_LINE_PREFIX) for e in line.events
-                     if not e.name.startswith(COPY_EVENT_PREFIXES))
-    if not kernels or len(kernels) % calls:
-        raise ValueError(f"{len(kernels)} GPU kernels do not split into calls={calls} calls of one program")
-    n = len(kernels) // calls
-    chunks = [kernels[i * n:(i + 1) * n] for i in range(calls)]
+    chunks = _equal_runs(_stream_events(planes, COPY_EVENT_PREFIXES), calls, f"kernels (calls={calls})")
     ends = [max(end for _, end in chunk) for chunk in chunks]
-    return {"kernels_per_call": n, "span_us": [(end - chunk[0][0]) / 1e3 for chunk, end in zip(chunks, ends)],
+    return {"kernels_per_call": len(chunks[0]), "span_us": [(end - chunk[0][0]) / 1e3 for chunk, end in zip(chunks, ends)],
             "gap_us": [(later[0][0] - end) / 1e3 for end, later in zip(ends, chunks[1:])]}
 
 
