@@ -327,6 +327,12 @@ def test_kv_pool_write_lands_at_its_slots_in_one_layer_and_in_place():
     np.testing.assert_array_equal(k[1, 3, 1], rows[0] * 10)
     np.testing.assert_array_equal(k[1, 1, 1], rows[0])
     assert np.count_nonzero(k) == 3 * rows[0].size
+    # Rows aimed at the null page (padded rows, several to one slot) are dropped; the others land.
+    pool = write(pool, jnp.array([0, 5, 0, 1], jnp.int32), jnp.ones((4, 2, 3)) * 7, jnp.ones((4, 2, 3)) * 7)  # page 2 row 1
+    k = np.stack(pool.k)
+    assert not k[1, 0].any()
+    np.testing.assert_array_equal(k[1, 2, 1], np.full((2, 3), 7.0))
+    assert np.count_nonzero(k) == 4 * rows[0].size
     # Donated per-layer buffers are updated in place: a step never copies the cache.
     assert [a.unsafe_buffer_pointer() for a in pool.k + pool.v] == before
 
@@ -420,7 +426,9 @@ def test_R3_padded_rows_with_nan_activations_never_touch_live_pages():
     params["embed"] = params["embed"].at[0].set(jnp.nan)  # padded rows carry token 0: NaN activations
     rng = np.random.default_rng(4)
     rows = random_rows(rng, 5, min_token=1)
-    padded = make_runner(params=params)
+    # Multi-row buckets only: bucket 1's capture would write its padded row's NaN K/V into page 0
+    # (a one-row write is a dynamic-update-slice, which writes every row it is given).
+    padded = make_runner(params=params, config=RunnerConfig(max_decode_bs=12, max_capture_bs=8, capture_ladder=(4, 8)))
     padded.capture(progress=None)
     exact = make_runner(params=params, config=RunnerConfig(max_decode_bs=12, max_capture_bs=8, enforce_eager=True))
     assert padded.bucket_for(5) == 8
@@ -430,8 +438,12 @@ def test_R3_padded_rows_with_nan_activations_never_touch_live_pages():
     live_pages = np.arange(1, NUM_PAGES)
     np.testing.assert_allclose(k_pad[:, live_pages].sum(), k_exact[:, live_pages].sum(), rtol=1e-6)
     assert not np.isnan(k_pad[:, live_pages]).any()
-    assert np.isnan(k_pad[:, 0]).any()  # padded rows wrote page 0 ...
-    assert not k_exact[:, 0].any()  # ... and only padded rows do
+    assert not k_pad[:, 0].any() and not k_exact[:, 0].any()  # a multi-row write drops the padded rows' null-page slots
+    # ... though those rows did run on NaN: the step's logits for them are NaN.
+    step, _ = padded.executable(8)
+    packed = pack_decode_batch(rows, bs=8, router=padded.router, window=1, vocab_size=CFG.vocab_size)
+    padded.pool, padded.buffers, _, logits = step(padded.param_leaves, padded.pool, padded.buffers, padded.sampling, packed)
+    assert np.isnan(np.asarray(logits)[5:]).all() and not np.isnan(np.asarray(logits)[:5]).any()
 
 
 def test_R1_a_bucket_reused_with_100_table_sets_matches_eager_every_step():
