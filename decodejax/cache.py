@@ -9,7 +9,7 @@ tokens (P divides G); the router expands block tables into kernel page tables:
     kernel table (P = 16):  [10 11 | 18 19 | 0 0 ... ]      block g -> pages g*G/P + i
 
 Page 0 is the null page: the allocator never hands it out, padded rows and column tails
-point at it, and only padded rows write to it.
+point at it, and only padded rows write to it (a one-row write does; `KVPool.write`'s scatter drops them).
 """
 
 from __future__ import annotations
