@@ -125,7 +125,7 @@ class KVPool:
                 # pool's bs = 1 step went from 186 to 43 ms). Slots are validated in bounds, so
                 # one unguarded 4-D update is exact.
                 return jax.lax.dynamic_update_slice(pages, rows[None], (slots[0] // P, slots[0] % P, 0, 0))
-            live = jnp.where(slots >= P, slots, N * P)  # a null-page slot goes out of bounds, where "drop" skips it
+            live = jnp.where(slots // P != addressing.NULL_PAGE, slots, N * P)  # a null-page slot goes out of bounds, where "drop" skips it
             return pages.reshape(N * P, H, D).at[live].set(rows, unique_indices=True, mode="drop").reshape(N, P, H, D)
 
         k, v = list(self.k), list(self.v)
