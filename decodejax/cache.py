@@ -115,17 +115,19 @@ class KVPool:
         (benchmarks/README.md, thirty-seventh session).
         """
         N, P, H, D = self.page_shape
+        one_row = slots.shape[0] == 1
+        # The scatter's indices, the same for K and V: a null-page slot goes out of bounds, where "drop" skips it.
+        live = None if one_row else jnp.where(slots // P != addressing.NULL_PAGE, slots, N * P)
 
         def scatter(pages, rows):
             rows = rows.astype(pages.dtype)
-            if slots.shape[0] == 1:
+            if one_row:
                 # XLA rewrites a one-row scatter as a dynamic-update-slice guarded by a bounds
                 # check that reads the old row, and duplicated a flat-view update for its 4-D
                 # readers; either copies the whole layer every step (CPU-compiled HLO: a 164 MB
                 # pool's bs = 1 step went from 186 to 43 ms). Slots are validated in bounds, so
                 # one unguarded 4-D update is exact.
                 return jax.lax.dynamic_update_slice(pages, rows[None], (slots[0] // P, slots[0] % P, 0, 0))
-            live = jnp.where(slots // P != addressing.NULL_PAGE, slots, N * P)  # a null-page slot goes out of bounds, where "drop" skips it
             return pages.reshape(N * P, H, D).at[live].set(rows, unique_indices=True, mode="drop").reshape(N, P, H, D)
 
         k, v = list(self.k), list(self.v)
