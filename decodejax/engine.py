@@ -70,9 +70,20 @@ class HFTokenizer:
         return self._tok.decode(list(ids))
 
 
+# EngineConfig.for_model on a device that reports its memory (a GPU). 64 rows: the default
+# capture ladder up to 64 is nine buckets (about 7 s each to compile cold for llama3-8b on the
+# H200, benchmarks/README.md); 8,192 tokens: the longest context the end-to-end benchmark runs,
+# and a block table a row of 512 entries at page 16.
+DEVICE_MAX_BATCH = 64
+DEVICE_MAX_CONTEXT = 8192
+# Device memory the pool leaves free for the compiled steps' buffers (at most 100 MB for a
+# llama3-8b decode step at B 128 on the H200) and for XLA's autotuning while they compile.
+POOL_HEADROOM_BYTES = 4 << 30
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    """Engine sizes. Defaults fit small models on a CPU; `for_model` fills in the rest.
+    """Engine sizes. Field defaults fit small models on a CPU; `for_model` fits a model and its device.
 
     Attributes:
       max_batch: running requests (the decode buffers' rows).
@@ -106,6 +117,41 @@ class EngineConfig:
     def __post_init__(self):
         if self.prefill_token_budget > max(self.prefill_buckets):
             raise ValueError(f"prefill_token_budget={self.prefill_token_budget} exceeds the largest bucket {max(self.prefill_buckets)}")
+
+    @classmethod
+    def for_model(cls, model_config, kv_dtype, memory_stats: dict | None = None) -> EngineConfig:
+        """The defaults `Engine(model)` takes: K/V in kv_dtype (the model's weight dtype), sized to the device.
+
+        Args:
+          model_config: num_layers, num_kv_heads, head_dim, max_position_embeddings.
+          kv_dtype: the K/V pool's dtype.
+          memory_stats: the device's `Device.memory_stats()`, taken after the model's weights
+            are on it; None (a CPU reports none) or without "bytes_limit": no memory to fit.
+
+        Without a memory limit: the field defaults, max_context min(512, the model's positions)
+        and pages for every slot. With one: DEVICE_MAX_BATCH rows of up to
+        min(DEVICE_MAX_CONTEXT, the model's positions) tokens, and as many pages as the free
+        memory less POOL_HEADROOM_BYTES holds, at most every slot's (more could never be used).
+        Fewer pages than every slot's is a valid pool: requests wait for free pages.
+
+        Raises:
+          ValueError: the free memory does not hold one request of max_context tokens.
+        """
+        kv_dtype = jnp.dtype(kv_dtype)
+        positions = model_config.max_position_embeddings
+        if not memory_stats or "bytes_limit" not in memory_stats:
+            return cls(max_context=min(512, positions), kv_dtype=kv_dtype.name)
+        page_size, max_context = cls.page_size, min(DEVICE_MAX_CONTEXT, positions)
+        blocks_per_request = -(-max_context // page_size)
+        page_bytes = model_config.num_layers * 2 * page_size * model_config.num_kv_heads * model_config.head_dim * kv_dtype.itemsize
+        free = memory_stats["bytes_limit"] - memory_stats.get("bytes_in_use", 0) - POOL_HEADROOM_BYTES
+        num_pages = min(DEVICE_MAX_BATCH * blocks_per_request + 1, max(0, free) // page_bytes)
+        if num_pages < blocks_per_request + 1:
+            raise ValueError(
+                f"device memory: {free / 2**30:.2f} GiB free after the weights and {POOL_HEADROOM_BYTES / 2**30:.0f} GiB of headroom "
+                f"holds {num_pages} pages of {page_bytes} bytes; one request of max_context={max_context} tokens needs "
+                f"{blocks_per_request + 1} (pass an EngineConfig with a smaller max_context)")
+        return cls(max_batch=DEVICE_MAX_BATCH, max_context=max_context, num_pages=num_pages, kv_dtype=kv_dtype.name)
 
 
 @dataclasses.dataclass
@@ -142,6 +188,23 @@ class Result:
     finish_reason: str
 
 
+def weights_dtype(state) -> jnp.dtype:
+    """The floating dtype that holds most of a parameter pytree's bytes (bf16 matrices beside f32 RoPE tables: bf16)."""
+    bytes_by_dtype: dict[jnp.dtype, int] = {}
+    for leaf in jax.tree.leaves(state):
+        if jnp.issubdtype(leaf.dtype, jnp.floating):
+            bytes_by_dtype[leaf.dtype] = bytes_by_dtype.get(leaf.dtype, 0) + leaf.size * leaf.dtype.itemsize
+    if not bytes_by_dtype:
+        raise ValueError("the model's state holds no floating-point parameters")
+    return max(bytes_by_dtype, key=bytes_by_dtype.get)
+
+
+def _memory_stats(state) -> dict | None:
+    """memory_stats() of the device holding the model's first parameter (None on a CPU)."""
+    device = min(jax.tree.leaves(state)[0].devices(), key=lambda d: d.id)
+    return device.memory_stats()
+
+
 def _prefill_forward(forward, param_tree, param_leaves, pool, ctx, last_rows, positions, slots, sampling):
     """Extend forward, then a first token sampled at each request's last row (fixed [max_batch] shapes).
 
@@ -161,11 +224,15 @@ class InFlight:
 
 
 class Engine:
-    """Continuous batching over a paged cache with bucketed decode steps."""
+    """Continuous batching over a paged cache with bucketed decode steps.
+
+    config None takes `EngineConfig.for_model`: K/V in the dtype of most of the model's
+    parameter bytes, sized to the memory of the device that holds them."""
 
     def __init__(self, model, config: EngineConfig | None = None, tokenizer=None):
         c = model.config
-        self.config = config or EngineConfig(max_context=min(512, c.max_position_embeddings))
+        forward, state = model.functional()
+        self.config = config or EngineConfig.for_model(c, weights_dtype(state), _memory_stats(state))
         ec = self.config
         if ec.max_context > c.max_position_embeddings:
             raise ValueError(f"max_context={ec.max_context} exceeds the model's {c.max_position_embeddings} positions")
@@ -175,7 +242,6 @@ class Engine:
         blocks_per_request = -(-ec.max_context // P)
         num_pages = ec.num_pages or ec.max_batch * blocks_per_request + 1
         self.router = CacheGroupRouter((CacheGroup("main", P, blocks_per_request),), (Leaf("full", "main", P),))
-        forward, state = model.functional()
         self._forward = forward
         pool = KVPool.create(c.num_layers, num_pages, P, c.num_kv_heads, c.head_dim, jnp.dtype(ec.kv_dtype))
         backend = AttentionLeafBackend("full", tuple(range(c.num_layers)), P, c.num_kv_heads, c.head_dim, str(jnp.dtype(ec.kv_dtype)))
