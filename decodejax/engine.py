@@ -76,6 +76,14 @@ class HFTokenizer:
 # and a block table a row of 512 entries at page 16.
 DEVICE_MAX_BATCH = 64
 DEVICE_MAX_CONTEXT = 8192
+# Prompt tokens a prefill step takes on such a device, and its token-count buckets (each compiled
+# on first use). llama3-8b bf16 on the H200 (benchmarks/README.md, thirty-ninth session): with the
+# CPU's 256-token chunks a 2,048-token prompt's TTFT was 193 to 218 ms and an 8,000-token one's
+# 808 to 931 ms; with 2,048-token chunks, 77 to 80 and 313 to 325 ms. The doubling ladder keeps
+# a short prompt from being padded to the whole budget (512 tokens in a 2,048 bucket: 70 ms,
+# against 57 to 67 in a 256 bucket).
+DEVICE_PREFILL_TOKEN_BUDGET = 2048
+DEVICE_PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)
 # Device memory the pool leaves free for the compiled steps' buffers (at most 100 MB for a
 # llama3-8b decode step at B 128 on the H200) and for XLA's autotuning while they compile.
 POOL_HEADROOM_BYTES = 4 << 30
@@ -130,8 +138,9 @@ class EngineConfig:
 
         Without a memory limit: the field defaults, max_context min(512, the model's positions)
         and pages for every slot. With one: DEVICE_MAX_BATCH rows of up to
-        min(DEVICE_MAX_CONTEXT, the model's positions) tokens, and as many pages as the free
-        memory less POOL_HEADROOM_BYTES holds, at most every slot's (more could never be used).
+        min(DEVICE_MAX_CONTEXT, the model's positions) tokens, prefill chunks of
+        DEVICE_PREFILL_TOKEN_BUDGET tokens, and as many pages as the free memory less
+        POOL_HEADROOM_BYTES holds, at most every slot's (more could never be used).
         Fewer pages than every slot's is a valid pool: requests wait for free pages.
 
         Raises:
@@ -145,13 +154,14 @@ class EngineConfig:
         blocks_per_request = -(-max_context // page_size)
         page_bytes = model_config.num_layers * 2 * page_size * model_config.num_kv_heads * model_config.head_dim * kv_dtype.itemsize
         free = memory_stats["bytes_limit"] - memory_stats.get("bytes_in_use", 0) - POOL_HEADROOM_BYTES
-        num_pages = min(DEVICE_MAX_BATCH * blocks_per_request + 1, max(0, free) // page_bytes)
+        num_pages = min(DEVICE_MAX_BATCH * blocks_per_request + 1, int(max(0, free) // page_bytes))
         if num_pages < blocks_per_request + 1:
             raise ValueError(
                 f"device memory: {free / 2**30:.2f} GiB free after the weights and {POOL_HEADROOM_BYTES / 2**30:.0f} GiB of headroom "
                 f"holds {num_pages} pages of {page_bytes} bytes; one request of max_context={max_context} tokens needs "
                 f"{blocks_per_request + 1} (pass an EngineConfig with a smaller max_context)")
-        return cls(max_batch=DEVICE_MAX_BATCH, max_context=max_context, num_pages=num_pages, kv_dtype=kv_dtype.name)
+        return cls(max_batch=DEVICE_MAX_BATCH, max_context=max_context, num_pages=num_pages, kv_dtype=kv_dtype.name,
+                   prefill_token_budget=DEVICE_PREFILL_TOKEN_BUDGET, prefill_buckets=DEVICE_PREFILL_BUCKETS)
 
 
 @dataclasses.dataclass

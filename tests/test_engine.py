@@ -2,9 +2,12 @@
 
 import dataclasses
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
-from decodejax.engine import Engine, EngineConfig, RequestError
+from decodejax.engine import POOL_HEADROOM_BYTES, Engine, EngineConfig, RequestError, weights_dtype
 from decodejax.sampling import SamplingParams
 from models import llama
 
@@ -151,3 +154,43 @@ def test_a_request_larger_than_the_whole_pool_is_refused_not_left_waiting(model)
     with pytest.raises(RequestError, match="needs 3 pages; the pool has 2"):
         engine.add_request(list(range(30)), SamplingParams(max_new_tokens=3))
     assert not engine.waiting
+
+
+def test_engine_without_config_fits_the_model_and_gives_the_same_tokens(model, reference_outputs):
+    memory_stats = jax.devices()[0].memory_stats()  # None on a CPU: the small-model defaults
+    engine = Engine(model)
+    assert engine.config == EngineConfig.for_model(model.config, jnp.float32, memory_stats)
+    assert (engine.config.max_context, engine.runner.pool.dtype) == (min(512, model.config.max_position_embeddings), jnp.float32)
+    start = engine.allocator.num_free
+    assert [r.token_ids for r in engine.generate(PROMPTS, GREEDY)] == [reference_outputs[p] for p in PROMPTS]
+    assert engine.allocator.num_free == start
+
+
+def test_weights_dtype_is_the_dtype_of_most_parameter_bytes():
+    state = llama.random("tiny", dtype=jnp.bfloat16).functional()[1]  # bf16 matrices beside an f32 RoPE table
+    assert weights_dtype(state) == jnp.bfloat16
+    with pytest.raises(ValueError, match="no floating-point parameters"):
+        weights_dtype({"ids": np.arange(4)})
+
+
+LLAMA3_8B = llama.PRESETS["llama3-8b"]
+PAGE_BYTES_8B_BF16 = LLAMA3_8B.num_layers * 2 * 16 * LLAMA3_8B.num_kv_heads * LLAMA3_8B.head_dim * 2  # K and V of 16 tokens
+
+
+def test_for_model_sizes_the_pool_to_the_free_device_memory():
+    roomy = EngineConfig.for_model(LLAMA3_8B, jnp.bfloat16, {"bytes_limit": 200 << 30, "bytes_in_use": 16 << 30})
+    assert (roomy.max_batch, roomy.max_context, roomy.kv_dtype, roomy.prefill_token_budget) == (64, 8192, "bfloat16", 2048)
+    assert roomy.num_pages == roomy.max_batch * (roomy.max_context // roomy.page_size) + 1  # every slot's pages, no more
+
+    stats = {"bytes_limit": 60 << 30, "bytes_in_use": 16 << 30}
+    tight = EngineConfig.for_model(LLAMA3_8B, jnp.bfloat16, stats)
+    free = stats["bytes_limit"] - stats["bytes_in_use"] - POOL_HEADROOM_BYTES
+    assert tight.num_pages * PAGE_BYTES_8B_BF16 <= free < (tight.num_pages + 1) * PAGE_BYTES_8B_BF16
+    assert tight.num_pages < roomy.num_pages
+    in_f32 = EngineConfig.for_model(LLAMA3_8B, jnp.float32, stats)
+    assert in_f32.num_pages == free // (2 * PAGE_BYTES_8B_BF16)
+
+    with pytest.raises(ValueError, match="max_context=8192"):  # 0.5 GiB after the headroom: not one 8,192-token request
+        EngineConfig.for_model(LLAMA3_8B, jnp.bfloat16, {"bytes_limit": (20 << 30) + POOL_HEADROOM_BYTES, "bytes_in_use": 19.5 * 2**30})
+    no_limit = EngineConfig.for_model(LLAMA3_8B, jnp.bfloat16, {"bytes_in_use": 1})
+    assert (no_limit.max_batch, no_limit.max_context, no_limit.num_pages, no_limit.prefill_token_budget) == (8, 512, None, 256)
