@@ -71,9 +71,9 @@ class HFTokenizer:
 
 
 # EngineConfig.for_model on a device that reports its memory (a GPU). 64 rows: the default
-# capture ladder up to 64 is nine buckets (about 7 s each to compile cold for llama3-8b on the
-# H200, benchmarks/README.md); 8,192 tokens: the longest context the end-to-end benchmark runs,
-# and a block table a row of 512 entries at page 16.
+# capture ladder up to 64 is nine buckets (64 to 82 s to compile cold for llama3-8b on the H200,
+# 11 to 12 s from the compilation cache; benchmarks/README.md, thirty-ninth session). 8,192
+# tokens: the longest context the end-to-end benchmark runs, a block table row of 512 entries.
 DEVICE_MAX_BATCH = 64
 DEVICE_MAX_CONTEXT = 8192
 # Prompt tokens a prefill step takes on such a device, and its token-count buckets (each compiled
