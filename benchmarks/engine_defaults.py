@@ -56,7 +56,7 @@ def stream_once(engine, prompt: list[int], new_tokens: int) -> dict:
     return {"ttft_s": stamps[0] - t0, "ms_per_token_after_first": (stamps[-1] - stamps[0]) * 1e3 / (new_tokens - 1)}
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="llama3-8b")
     ap.add_argument("--dtype", default="bfloat16")
@@ -66,7 +66,7 @@ def main():
     ap.add_argument("--compilation-cache", default=None, help="a JAX persistent compilation cache directory")
     ap.add_argument("--prefill-token-budget", type=int, default=None, help="instead of the default's budget")
     ap.add_argument("--out", required=True)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     import jax
     import jax.numpy as jnp

@@ -597,3 +597,31 @@ def test_engine_gap_times_every_replay_variant_beside_the_engine(tmp_path):
         assert sorted(r["replay_ms_samples"]) == sorted(VARIANTS + ("numpy_tail",))
         assert all(len(x) == 6 for x in r["replay_ms_samples"].values())
         assert all(np.isfinite(ms) for ms in r["replay_ms_median"].values())  # a difference of two runs' times
+
+
+def test_engine_defaults_streams_each_prompt_and_counts_the_weights_the_prefill_multiplies(tmp_path):
+    """benchmarks.engine_defaults on the tiny preset (CPU): the defaults it recorded, one row per
+    prompt length with its timed samples, every page free again (it raises otherwise); and its
+    prefill FLOPs hold the model's own layer matrices, counted from the weights."""
+    import json
+
+    import jax
+
+    from benchmarks.engine_defaults import main, prefill_flops
+    from models import llama
+
+    out = tmp_path / "defaults.json"
+    main(["--model", "tiny", "--dtype", "float32", "--prompt-lengths", "5,40", "--new-tokens", "3", "--samples", "2", "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert (result["config"]["kv_dtype"], result["config"]["max_batch"], result["pool_pages"]) == ("float32", 8, 8 * 32 + 1)
+    assert [r["prompt_len"] for r in result["rows"]] == [5, 40]
+    for r in result["rows"]:
+        assert len(r["samples"]) == 2 and all(s["ttft_s"] > 0 and s["ms_per_token_after_first"] > 0 for s in r["samples"])
+        assert r["free_pages_after"] == result["pool_pages"] - 1
+
+    model = llama.random("tiny")
+    c = model.config
+    matrices = sum(x.size for layer in model.layers for x in jax.tree.leaves((layer.attn.wqkv, layer.attn.wo, layer.w_gate_up, layer.w_down)))
+    head_on_last_token = 2 * c.hidden_size * c.vocab_size
+    attention_one_token = 2 * 2 * c.num_layers * c.num_heads * c.head_dim  # one (query, key) pair a layer
+    assert prefill_flops(c, 1) == 2 * matrices + attention_one_token + head_on_last_token
