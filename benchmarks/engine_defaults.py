@@ -25,7 +25,6 @@ the CPU defaults' buckets (16 to 256) and one of N, to compare chunk sizes.
 
 import argparse
 import dataclasses
-import json
 import platform
 import time
 
@@ -71,6 +70,7 @@ def main(argv=None):
     import jax
     import jax.numpy as jnp
 
+    from benchmarks.e2e_decode import write_json
     from decodejax import evidence
     from decodejax.engine import Engine, EngineConfig, weights_dtype
     from models import llama
@@ -81,13 +81,14 @@ def main(argv=None):
 
     t0 = time.perf_counter()
     model = llama.random(args.model, dtype=jnp.dtype(args.dtype))
-    jax.block_until_ready(jax.tree.leaves(model.functional()[1]))
+    state = model.functional()[1]
+    jax.block_until_ready(jax.tree.leaves(state))
     build_s = time.perf_counter() - t0
     stats_before = jax.devices()[0].memory_stats() or {}
     config = None
     if args.prefill_token_budget:
         config = dataclasses.replace(
-            EngineConfig.for_model(model.config, weights_dtype(model.functional()[1]), stats_before),
+            EngineConfig.for_model(model.config, weights_dtype(state), stats_before),
             prefill_token_budget=args.prefill_token_budget, prefill_buckets=(16, 32, 64, 128, 256, args.prefill_token_budget))
     engine = Engine(model, config)
     ec = engine.config
@@ -110,13 +111,14 @@ def main(argv=None):
         stream_once(engine, prompt, args.new_tokens)
         first_s = time.perf_counter() - t1
         samples = [stream_once(engine, prompt, args.new_tokens) for _ in range(args.samples)]
-        ttft = sorted(s["ttft_s"] for s in samples)
+        ttft = [s["ttft_s"] for s in samples]
+        ttft_median = float(np.median(ttft))
         flops = prefill_flops(model.config, length)
         row = {"prompt_len": length, "first_request_s": first_s, "samples": samples,
-               "ttft_ms_median": float(np.median(ttft)) * 1e3, "ttft_ms_min": ttft[0] * 1e3,
+               "ttft_ms_median": ttft_median * 1e3, "ttft_ms_min": min(ttft) * 1e3,
                "ms_per_token_after_first_median": float(np.median([s["ms_per_token_after_first"] for s in samples])),
-               "prefill_flops": flops, "tflops_per_s_at_median_ttft": flops / float(np.median(ttft)) / 1e12,
-               "datasheet_fraction": flops / float(np.median(ttft)) / DATASHEET_BF16_FLOPS,
+               "prefill_flops": flops, "tflops_per_s_at_median_ttft": flops / ttft_median / 1e12,
+               "datasheet_fraction": flops / ttft_median / DATASHEET_BF16_FLOPS,
                "free_pages_after": engine.allocator.num_free}
         result["rows"].append(row)
         if row["free_pages_after"] != engine.allocator.num_pages - 1:
@@ -124,8 +126,7 @@ def main(argv=None):
         print(f"prompt {length:5d}: first request {first_s:6.1f} s; TTFT {row['ttft_ms_median']:8.1f} ms (min {row['ttft_ms_min']:.1f}), "
               f"{row['tflops_per_s_at_median_ttft']:.0f} TFLOP/s ({row['datasheet_fraction']:.0%}); then "
               f"{row['ms_per_token_after_first_median']:.2f} ms/token", flush=True)
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+        write_json(result, args.out)
 
 
 if __name__ == "__main__":
