@@ -28,6 +28,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import ClassVar
 
 import jax
@@ -56,6 +57,12 @@ jax.monitoring.register_event_duration_secs_listener(_count_compiles)
 def compile_events() -> int:
     """Traces plus backend compiles seen in this process so far."""
     return _compile_count[0]
+
+
+def _finished_at(fn: Callable, *args):
+    """fn(*args), and the perf_counter reading when it returned."""
+    result = fn(*args)
+    return (*result, time.perf_counter())
 
 
 def default_capture_ladder(max_capture_bs: int) -> tuple[int, ...]:
@@ -297,39 +304,71 @@ class DecodeRunner:
     def _statics(self, bs):
         return dict(bs=bs, router=self.router, layer_leaves=self.layer_leaves, model_forward=self.model_forward, param_tree=self.param_tree)
 
-    def _compile(self, bs: int):
-        """AOT-compiles the step and resample_step for bs; records the backend selections made
-        while tracing the step."""
+    def _lower(self, bs: int):
+        """Traces and lowers the step and resample_step for bs (Python: holds the GIL); records
+        the backend selections made while tracing the step. Returns what `_compile_lowered` takes."""
         packed = jax.ShapeDtypeStruct((1 + bs, packed_width(self.router, self.config.window)), jnp.int32)
         with dispatch.capturing(), dispatch.recording() as selections:
             lowered = _donating_step.lower(self.param_leaves, self.pool, self.buffers, self.sampling, packed, **self._statics(bs))
         self.selections[bs] = tuple(selections)
         logits = lowered.out_info[3]
         resample = _donating_resample.lower(self.buffers, self.sampling, jax.ShapeDtypeStruct(logits.shape, logits.dtype), bs=bs)
-        options = self.config.step_xla_options(bs)
+        return lowered, resample, self.config.step_xla_options(bs)
+
+    @staticmethod
+    def _compile_lowered(lowered, resample, options) -> tuple[Callable, Callable]:
+        """XLA's compile of both, or their load from the persistent cache (C++: frees the GIL)."""
         return lowered.compile(compiler_options=options), resample.compile(compiler_options=options)
 
-    def capture(self, progress=sys.stderr) -> dict[int, float]:
-        """Compiles every bucket of the ladder and runs it once on placeholder tables (actual_bs = 0).
+    def _compile(self, bs: int) -> tuple[Callable, Callable]:
+        return self._compile_lowered(*self._lower(bs))
 
-        Returns seconds per bucket. Any failure raises CaptureError (no eager fallback).
+    def capture(self, progress=sys.stderr) -> dict[int, float]:
+        """Compiles every bucket of the ladder, then runs each once on placeholder tables (actual_bs = 0).
+
+        Lowering is Python and holds the GIL; XLA's compile, or its load from the persistent
+        cache, runs in C++ without it. So one compile thread takes each bucket as soon as it is
+        lowered while this thread lowers the next: a warm start costs about the lowering alone
+        instead of lowering plus loading. A single compile thread keeps XLA's autotuning serial,
+        and the first runs wait until every compile is done, so no autotuning measurement shares
+        the device with other work.
+
+        Returns seconds per bucket: how long after the previous bucket's its compile finished,
+        plus its first run, so the values sum to the capture's wall time. Any failure raises
+        CaptureError naming the bucket (no eager fallback); a failed compile leaves no bucket
+        captured.
         """
         if self.config.enforce_eager or not self.bucketed:
             return {}
         ladder = self.config.ladder
-        for i, bs in enumerate(ladder):
+        start = time.perf_counter()
+        compiled: dict[int, tuple[Callable, Callable, float]] = {}
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="decodejax-compile") as compiler:
+            futures = {}
+            try:
+                for bs in ladder:
+                    futures[bs] = compiler.submit(_finished_at, self._compile_lowered, *self._lower(bs))
+                for i, bs in enumerate(ladder):
+                    compiled[bs] = futures[bs].result()
+                    if progress is not None:
+                        bar = "#" * (i + 1) + "." * (len(ladder) - i - 1)
+                        print(f"\rcapture [{bar}] bs={bs:4d} compiled at {compiled[bs][2] - start:6.2f}s", end="", file=progress, flush=True)
+            except Exception as exc:
+                compiler.shutdown(cancel_futures=True)
+                raise CaptureError(f"capturing bucket bs={bs} failed: {exc!r}") from exc
+        previous = start
+        for bs in ladder:
+            step, resample, finished = compiled[bs]
             t0 = time.perf_counter()
             try:
-                self._executables[bs] = step, resample = self._compile(bs)
                 self.pool, self.buffers, _, logits = step(self.param_leaves, self.pool, self.buffers, self.sampling, self._placeholder[: 1 + bs])
                 self.buffers, _ = resample(self.buffers, self.sampling, logits)
                 jax.block_until_ready(self.buffers)
             except Exception as exc:
                 raise CaptureError(f"capturing bucket bs={bs} failed: {exc!r}") from exc
-            self.capture_seconds[bs] = time.perf_counter() - t0
-            if progress is not None:
-                bar = "#" * (i + 1) + "." * (len(ladder) - i - 1)
-                print(f"\rcapture [{bar}] bs={bs:4d} {self.capture_seconds[bs]:6.2f}s", end="", file=progress, flush=True)
+            self._executables[bs] = step, resample
+            self.capture_seconds[bs] = finished - previous + time.perf_counter() - t0
+            previous = finished
         if progress is not None:
             print(f"\ncaptured {len(ladder)} buckets in {sum(self.capture_seconds.values()):.2f}s", file=progress)
         self.guard.arm({"pool": self.pool, "buffers": self.buffers})

@@ -3,6 +3,8 @@
 import dataclasses
 import functools
 import logging
+import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -480,8 +482,9 @@ def test_R6_capture_failure_is_fatal():
 
 def test_step_xla_options_reach_each_buckets_compile():
     """The policy is asked once per bucket and its options reach that bucket's compile: an
-    option XLA refuses fails the capture at that bucket, naming the option, after the buckets
-    before it captured."""
+    option XLA refuses fails the capture at that bucket, naming the option. Every bucket is
+    lowered before the first compile's result is read, and a failed compile leaves no bucket
+    captured."""
     asked = []
 
     def options(bs):
@@ -491,7 +494,39 @@ def test_step_xla_options_reach_each_buckets_compile():
     runner = make_runner(config=RunnerConfig(max_decode_bs=12, max_capture_bs=8, capture_ladder=(1, 4, 8), step_xla_options=options))
     with pytest.raises(CaptureError, match=r"bs=4.*xla_no_such_option"):
         runner.capture(progress=None)
-    assert asked == [1, 4] and sorted(runner.capture_seconds) == [1]
+    assert asked == [1, 4, 8] and runner.capture_seconds == {} and not runner._executables
+
+
+def test_capture_lowers_the_next_buckets_while_one_thread_compiles(monkeypatch):
+    """Bucket 1's compile waits until the last bucket is lowered: capture finishes only if
+    lowering runs ahead of compiling. Compiles run on one thread other than this one, and the
+    per-bucket seconds sum to no more than the capture's wall time."""
+    runner = make_runner()
+    lower, compile_lowered = runner._lower, runner._compile_lowered
+    last_lowered, compile_threads = threading.Event(), set()
+
+    def lower_and_signal(bs):
+        lowered = lower(bs)
+        if bs == runner.config.ladder[-1]:
+            last_lowered.set()
+        return lowered
+
+    def compile_after_the_last_lowering(*args):
+        assert last_lowered.wait(timeout=120), "compiling waited for a lowering that never came"
+        compile_threads.add(threading.get_ident())
+        return compile_lowered(*args)
+
+    monkeypatch.setattr(runner, "_lower", lower_and_signal)
+    monkeypatch.setattr(runner, "_compile_lowered", compile_after_the_last_lowering)
+    t0 = time.perf_counter()
+    seconds = runner.capture(progress=None)
+    wall = time.perf_counter() - t0
+    assert sorted(seconds) == list(runner.config.ladder) == [1, 2, 4, 8]
+    assert len(compile_threads) == 1 and threading.get_ident() not in compile_threads
+    assert all(s > 0 for s in seconds.values()) and sum(seconds.values()) <= wall
+    rows = random_rows(np.random.default_rng(7), 3)
+    eager = make_runner(RunnerConfig(max_decode_bs=12, max_capture_bs=8, enforce_eager=True))
+    np.testing.assert_array_equal(runner.step(rows), eager.step(rows))
 
 
 def test_default_step_xla_options_add_cublaslt_from_its_bucket_up():
