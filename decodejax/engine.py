@@ -127,7 +127,8 @@ class EngineConfig:
             raise ValueError(f"prefill_token_budget={self.prefill_token_budget} exceeds the largest bucket {max(self.prefill_buckets)}")
 
     @classmethod
-    def for_model(cls, model_config, kv_dtype, memory_stats: dict | None = None) -> EngineConfig:
+    def for_model(cls, model_config, kv_dtype, memory_stats: dict | None = None, *,
+                  max_batch: int | None = None, max_context: int | None = None) -> EngineConfig:
         """The defaults `Engine(model)` takes: K/V in kv_dtype (the model's weight dtype), sized to the device.
 
         Args:
@@ -135,6 +136,8 @@ class EngineConfig:
           kv_dtype: the K/V pool's dtype.
           memory_stats: the device's `Device.memory_stats()`, taken after the model's weights
             are on it; None (a CPU reports none) or without "bytes_limit": no memory to fit.
+          max_batch, max_context: replace the rows and the tokens per request chosen below (a
+            one-prompt command line asks for one row); the pool is sized to them.
 
         Without a memory limit: the field defaults, max_context min(512, the model's positions)
         and pages for every slot. With one: DEVICE_MAX_BATCH rows of up to
@@ -149,18 +152,19 @@ class EngineConfig:
         kv_dtype = jnp.dtype(kv_dtype)
         positions = model_config.max_position_embeddings
         if not memory_stats or "bytes_limit" not in memory_stats:
-            return cls(max_context=min(512, positions), kv_dtype=kv_dtype.name)
-        page_size, max_context = cls.page_size, min(DEVICE_MAX_CONTEXT, positions)
+            return cls(max_batch=max_batch or cls.max_batch, max_context=max_context or min(512, positions), kv_dtype=kv_dtype.name)
+        page_size, max_context = cls.page_size, max_context or min(DEVICE_MAX_CONTEXT, positions)
+        max_batch = max_batch or DEVICE_MAX_BATCH
         blocks_per_request = -(-max_context // page_size)
         page_bytes = model_config.num_layers * 2 * page_size * model_config.num_kv_heads * model_config.head_dim * kv_dtype.itemsize
         free = memory_stats["bytes_limit"] - memory_stats.get("bytes_in_use", 0) - POOL_HEADROOM_BYTES
-        num_pages = min(DEVICE_MAX_BATCH * blocks_per_request + 1, int(max(0, free) // page_bytes))
+        num_pages = min(max_batch * blocks_per_request + 1, int(max(0, free) // page_bytes))
         if num_pages < blocks_per_request + 1:
             raise ValueError(
                 f"device memory: {free / 2**30:.2f} GiB free after the weights and {POOL_HEADROOM_BYTES / 2**30:.0f} GiB of headroom "
                 f"holds {num_pages} pages of {page_bytes} bytes; one request of max_context={max_context} tokens needs "
                 f"{blocks_per_request + 1} (pass an EngineConfig with a smaller max_context)")
-        return cls(max_batch=DEVICE_MAX_BATCH, max_context=max_context, num_pages=num_pages, kv_dtype=kv_dtype.name,
+        return cls(max_batch=max_batch, max_context=max_context, num_pages=num_pages, kv_dtype=kv_dtype.name,
                    prefill_token_budget=DEVICE_PREFILL_TOKEN_BUDGET, prefill_buckets=DEVICE_PREFILL_BUCKETS)
 
 
@@ -209,7 +213,7 @@ def weights_dtype(state) -> jnp.dtype:
     return max(bytes_by_dtype, key=bytes_by_dtype.get)
 
 
-def _memory_stats(state) -> dict | None:
+def device_memory_stats(state) -> dict | None:
     """memory_stats() of the device holding the model's first parameter (None on a CPU)."""
     device = min(jax.tree.leaves(state)[0].devices(), key=lambda d: d.id)
     return device.memory_stats()
@@ -242,7 +246,7 @@ class Engine:
     def __init__(self, model, config: EngineConfig | None = None, tokenizer=None):
         c = model.config
         forward, state = model.functional()
-        self.config = config or EngineConfig.for_model(c, weights_dtype(state), _memory_stats(state))
+        self.config = config or EngineConfig.for_model(c, weights_dtype(state), device_memory_stats(state))
         ec = self.config
         if ec.max_context > c.max_position_embeddings:
             raise ValueError(f"max_context={ec.max_context} exceeds the model's {c.max_position_embeddings} positions")

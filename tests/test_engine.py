@@ -194,3 +194,16 @@ def test_for_model_sizes_the_pool_to_the_free_device_memory():
         EngineConfig.for_model(LLAMA3_8B, jnp.bfloat16, {"bytes_limit": (20 << 30) + POOL_HEADROOM_BYTES, "bytes_in_use": 19.5 * 2**30})
     no_limit = EngineConfig.for_model(LLAMA3_8B, jnp.bfloat16, {"bytes_in_use": 1})
     assert (no_limit.max_batch, no_limit.max_context, no_limit.num_pages, no_limit.prefill_token_budget) == (8, 512, None, 256)
+
+
+def test_for_model_sizes_the_pool_to_the_rows_and_context_asked_for():
+    """What `python -m decodejax generate` asks: one row of 4,096 tokens gets that row's pages
+    and the device's prefill chunks; without a memory limit, the CPU's chunks."""
+    one_row = EngineConfig.for_model(LLAMA3_8B, jnp.bfloat16, {"bytes_limit": 200 << 30, "bytes_in_use": 16 << 30},
+                                     max_batch=1, max_context=4096)
+    assert (one_row.max_batch, one_row.max_context, one_row.num_pages, one_row.prefill_token_budget) == (1, 4096, 4096 // 16 + 1, 2048)
+    on_cpu = EngineConfig.for_model(LLAMA3_8B, jnp.float32, None, max_batch=1, max_context=4096)
+    assert (on_cpu.max_batch, on_cpu.max_context, on_cpu.num_pages, on_cpu.prefill_token_budget) == (1, 4096, None, 256)
+    with pytest.raises(ValueError, match="max_context=4096"):  # 100 MiB free: 50 pages, not the 257 of one 4,096-token request
+        EngineConfig.for_model(LLAMA3_8B, jnp.bfloat16, {"bytes_limit": POOL_HEADROOM_BYTES + (100 << 20), "bytes_in_use": 0},
+                               max_batch=1, max_context=4096)
