@@ -3,7 +3,7 @@
     python -m benchmarks.engine_defaults --model llama3-8b --dtype bfloat16 \
         --prompt-lengths 512,2048,8000 --out benchmarks/results/engine_defaults.json
 
-One process: the model is built, then `Engine(model)` with no config (`EngineConfig.for_model`:
+One process: the model is built, then `Engine(model)` with no config (`engine.fitted_config`:
 K/V dtype, batch, context and pages from the model and the device's memory) captures its decode
 buckets: cold, or warm when `--compilation-cache DIR` names a JAX compilation cache that an
 earlier run with the same DIR filled. For each prompt length, one request (random token ids,
@@ -72,7 +72,7 @@ def main(argv=None):
 
     from benchmarks.e2e_decode import write_json
     from decodejax import evidence
-    from decodejax.engine import Engine, EngineConfig, weights_dtype
+    from decodejax.engine import Engine, fitted_config
     from models import llama
 
     if args.compilation_cache:
@@ -88,7 +88,7 @@ def main(argv=None):
     config = None
     if args.prefill_token_budget:
         config = dataclasses.replace(
-            EngineConfig.for_model(model.config, weights_dtype(state), stats_before),
+            fitted_config(model.config, state),
             prefill_token_budget=args.prefill_token_budget, prefill_buckets=(16, 32, 64, 128, 256, args.prefill_token_budget))
     engine = Engine(model, config)
     ec = engine.config

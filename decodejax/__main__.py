@@ -85,7 +85,7 @@ def _generate(args) -> int:
 
     import jax.numpy as jnp
 
-    from decodejax.engine import Engine, EngineConfig, HFTokenizer, device_memory_stats, weights_dtype
+    from decodejax.engine import Engine, HFTokenizer, fitted_config
     from decodejax.sampling import SamplingParams
     from models import llama
 
@@ -97,10 +97,8 @@ def _generate(args) -> int:
             tokenizer = HFTokenizer(os.path.join(args.model, "tokenizer.json"))
     else:
         model = llama.random(args.model, dtype=dtype)
-    # One prompt: one row; on a GPU the prefill chunks and the pool fit the device (for_model).
-    _, state = model.functional()
-    config = EngineConfig.for_model(model.config, weights_dtype(state), device_memory_stats(state), max_batch=1,
-                                    max_context=min(model.config.max_position_embeddings, 4096))
+    # One prompt: one row; on a GPU the prefill chunks and the pool fit the device.
+    config = fitted_config(model.config, model.functional()[1], max_batch=1, max_context=min(model.config.max_position_embeddings, 4096))
     engine = Engine(model, config, tokenizer=tokenizer)
     params = SamplingParams(temperature=args.temperature, seed=args.seed, max_new_tokens=args.max_new_tokens)
     t0 = time.perf_counter()

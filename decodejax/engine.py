@@ -213,10 +213,16 @@ def weights_dtype(state) -> jnp.dtype:
     return max(bytes_by_dtype, key=bytes_by_dtype.get)
 
 
-def device_memory_stats(state) -> dict | None:
+def _memory_stats(state) -> dict | None:
     """memory_stats() of the device holding the model's first parameter (None on a CPU)."""
     device = min(jax.tree.leaves(state)[0].devices(), key=lambda d: d.id)
     return device.memory_stats()
+
+
+def fitted_config(model_config, state, **overrides) -> EngineConfig:
+    """`EngineConfig.for_model` for a model's parameters: K/V in the dtype of most of their bytes,
+    sized to the memory of the device that holds them; overrides: for_model's max_batch, max_context."""
+    return EngineConfig.for_model(model_config, weights_dtype(state), _memory_stats(state), **overrides)
 
 
 def _prefill_forward(forward, param_tree, param_leaves, pool, ctx, last_rows, positions, slots, sampling):
@@ -240,13 +246,13 @@ class InFlight:
 class Engine:
     """Continuous batching over a paged cache with bucketed decode steps.
 
-    config None takes `EngineConfig.for_model`: K/V in the dtype of most of the model's
-    parameter bytes, sized to the memory of the device that holds them."""
+    config None takes `fitted_config`: K/V in the dtype of most of the model's parameter bytes,
+    sized to the memory of the device that holds them."""
 
     def __init__(self, model, config: EngineConfig | None = None, tokenizer=None):
         c = model.config
         forward, state = model.functional()
-        self.config = config or EngineConfig.for_model(c, weights_dtype(state), device_memory_stats(state))
+        self.config = config or fitted_config(c, state)
         ec = self.config
         if ec.max_context > c.max_position_embeddings:
             raise ValueError(f"max_context={ec.max_context} exceeds the model's {c.max_position_embeddings} positions")
