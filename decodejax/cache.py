@@ -85,6 +85,10 @@ class KVPool:
     def num_layers(self) -> int:
         return len(self.k)
 
+    def layer_view(self, layer: int) -> "KVPool":
+        """Layer `layer`'s pages as a one-layer pool (its layer 0)."""
+        return KVPool(k=(self.k[layer],), v=(self.v[layer],))
+
     @property
     def page_shape(self) -> tuple[int, int, int, int]:
         """[num_pages, P, H_kv, D] of every layer."""

@@ -255,6 +255,10 @@ class ForwardContext:
             raise ValueError(f"write_locations(layer={layer}, mode={mode!r}) asked of a {self.mode!r} forward")
         return self.write_slots[self.layer_leaves[layer]]
 
+    def layer_view(self, layer: int) -> "ForwardContext":
+        """This context as layer `layer` alone sees it: a one-layer context (its layer 0)."""
+        return dataclasses.replace(self, layer_leaves=(self.layer_leaves[layer],))
+
     def attention_rows(self, layer: int) -> tuple[jax.Array, jax.Array]:
         """(page_table i32[rows * N, W], seq_lens i32[rows * N]) with one query row per window column.
 

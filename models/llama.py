@@ -145,9 +145,9 @@ def _dense(rngs: nnx.Rngs, n_in: int, n_out: int, dtype) -> nnx.Param:
 
 
 class Attention(nnx.Module):
-    def __init__(self, config: LlamaConfig, layer: int, dtype, rngs: nnx.Rngs):
+    def __init__(self, config: LlamaConfig, dtype, rngs: nnx.Rngs):
         c = config
-        self.config, self.layer = c, layer
+        self.config = c
         # q, k and v in one [hidden, (H_q + 2 H_kv) D] matrix: one matmul reads all three. At
         # decode a step is weight-bound, and one wide GEMM streams the weights faster than three
         # narrow ones (benchmarks/results/dense_ceiling.json).
@@ -165,7 +165,10 @@ class Attention(nnx.Module):
         return (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
 
     def __call__(self, x, norm: RMSNorm, pool: KVPool, ctx: ForwardContext, inv_freq):
-        """x: the residual stream [rows, N, hidden], which `norm` normalizes for the projections."""
+        """x: the residual stream [rows, N, hidden], which `norm` normalizes for the projections.
+
+        pool and ctx are this layer's one-layer views (`KVPool.layer_view`, `ForwardContext.layer_view`):
+        a layer knows no index, so every layer of a model traces alike."""
         c = self.config
         rows, N, _ = x.shape
         qkv = norm.project(x, self.wqkv[...])
@@ -177,23 +180,23 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, ctx.positions, inv_freq), apply_rope(k, ctx.positions, inv_freq)
         flat = lambda t: t.reshape(rows * N, *t.shape[2:])  # noqa: E731
-        pool = pool.write(self.layer, ctx.write_locations(self.layer, ctx.mode), flat(k), flat(v))
+        pool = pool.write(0, ctx.write_locations(0, ctx.mode), flat(k), flat(v))
         window = None if c.sliding_window is None else c.sliding_window - 1
-        k_pages, v_pages = pool.k[self.layer], pool.v[self.layer]
+        k_pages, v_pages = pool.k[0], pool.v[0]
         if ctx.mode == "extend":  # prefill / chunked prefill: tiles of new tokens share each K/V load
-            table, qo_indptr, kv_lens = ctx.append_rows(self.layer)
+            table, qo_indptr, kv_lens = ctx.append_rows(0)
             o = decodejax.append_attention(flat(q).astype(pool.dtype), k_pages, v_pages, table, qo_indptr, kv_lens, window_left=window)
         else:
-            table, lens = ctx.attention_rows(self.layer)
+            table, lens = ctx.attention_rows(0)
             o = decodejax.decode_attention(flat(q).astype(pool.dtype), k_pages, v_pages, table, lens, window_left=window)
         return o.reshape(rows, N, c.num_heads * c.head_dim).astype(x.dtype) @ self.wo[...], pool
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, config: LlamaConfig, layer: int, dtype, rngs: nnx.Rngs):
+    def __init__(self, config: LlamaConfig, dtype, rngs: nnx.Rngs):
         c = config
         self.input_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
-        self.attn = Attention(c, layer, dtype, rngs)
+        self.attn = Attention(c, dtype, rngs)
         self.post_attn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
         self.w_gate_up = _dense(rngs, c.hidden_size, 2 * c.intermediate_size, dtype)  # [gate | up]: one matmul
         self.w_down = _dense(rngs, c.intermediate_size, c.hidden_size, dtype)
@@ -212,7 +215,7 @@ class Llama(nnx.Module):
         c = config
         self.config, self.dtype = c, dtype
         self.embed = nnx.Param((jax.random.normal(rngs.params(), (c.vocab_size, c.hidden_size), jnp.float32) * 0.02).astype(dtype))
-        self.layers = nnx.List([DecoderLayer(c, i, dtype, rngs) for i in range(c.num_layers)])
+        self.layers = nnx.List([DecoderLayer(c, dtype, rngs) for _ in range(c.num_layers)])
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
         if not c.tie_word_embeddings:
             self.lm_head = _dense(rngs, c.hidden_size, c.vocab_size, dtype)
@@ -228,10 +231,29 @@ class Llama(nnx.Module):
 
     def __call__(self, pool: KVPool, ctx: ForwardContext):
         x = self.embed[...][ctx.window_ids]
-        for layer in self.layers:
-            x, pool = layer(x, pool, ctx, self.inv_freq[...])
+        run_layer = _layer_runner(traced=isinstance(x, jax.core.Tracer))
+        k, v = list(pool.k), list(pool.v)
+        for i, layer in enumerate(self.layers):
+            x, k[i], v[i] = run_layer(*nnx.split(layer), x, pool.layer_view(i), ctx.layer_view(i), self.inv_freq[...])
+        pool = KVPool(tuple(k), tuple(v))
         head = self.embed[...].T if self.config.tie_word_embeddings else self.lm_head[...]
         return self.norm.project(x, head), pool
+
+
+def _run_layer(graphdef, state, x, pool: KVPool, ctx: ForwardContext, inv_freq):
+    """One decoder layer on its one-layer views: (x, its K pages, its V pages)."""
+    x, pool = nnx.merge(graphdef, state)(x, pool, ctx, inv_freq)
+    return x, pool.k[0], pool.v[0]
+
+
+def _layer_runner(traced: bool):
+    """How a forward runs its layers: under a trace (a jitted or lowered step), through one
+    jax.jit made for that trace, so that the layers, which trace alike, are traced and lowered
+    once and called L times; XLA inlines the calls, so the compiled step is the same. Made per
+    trace so that the layer's trace sees that trace's dispatch state (bucket mode, preferred
+    backends) and its backend selections are recorded with it. Outside a trace (the runner's
+    eager mode, a notebook's forward), each layer runs op by op, as before."""
+    return jax.jit(_run_layer, static_argnums=0) if traced else _run_layer
 
 
 def functional(model: Llama):
