@@ -449,13 +449,17 @@ def test_R3_padded_rows_with_nan_activations_never_touch_live_pages():
 
 
 def test_R1_a_bucket_reused_with_100_table_sets_matches_eager_every_step():
-    runner = make_runner()
-    runner.capture(progress=None)
-    eager = make_runner(RunnerConfig(max_decode_bs=12, max_capture_bs=8, enforce_eager=True))
-    rng = np.random.default_rng(5)
-    for step in range(100):
-        rows = random_rows(rng, int(rng.integers(5, 9)))  # bucket 8 every step
-        np.testing.assert_array_equal(runner.step(rows), eager.step(rows), err_msg=f"step {step}")
+    # float32 matmuls: on a GPU, XLA's default precision lets the captured and the eager step
+    # pick differently rounding (TF32) GEMMs, whose K rows then differ by up to 2e-4 (H200,
+    # fortieth session); this test is about which pages a reused bucket reads and writes.
+    with jax.default_matmul_precision("float32"):
+        runner = make_runner()
+        runner.capture(progress=None)
+        eager = make_runner(RunnerConfig(max_decode_bs=12, max_capture_bs=8, enforce_eager=True))
+        rng = np.random.default_rng(5)
+        for step in range(100):
+            rows = random_rows(rng, int(rng.integers(5, 9)))  # bucket 8 every step
+            np.testing.assert_array_equal(runner.step(rows), eager.step(rows), err_msg=f"step {step}")
     np.testing.assert_allclose(np.stack(runner.pool.k)[:, 1:], np.stack(eager.pool.k)[:, 1:], atol=1e-5)
 
 
