@@ -253,7 +253,15 @@ def _layer_runner(traced: bool):
     trace so that the layer's trace sees that trace's dispatch state (bucket mode, preferred
     backends) and its backend selections are recorded with it. Outside a trace (the runner's
     eager mode, a notebook's forward), each layer runs op by op, as before."""
-    return jax.jit(_run_layer, static_argnums=0) if traced else _run_layer
+    if not traced:
+        return _run_layer
+
+    def run_layer_of_this_trace(*args):
+        # A new function each trace: jax keys its trace cache on the function, so a jit of
+        # _run_layer itself would hand a later trace the first one's layer, backends and all.
+        return _run_layer(*args)
+
+    return jax.jit(run_layer_of_this_trace, static_argnums=0)
 
 
 def functional(model: Llama):

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from decodejax.engine import POOL_HEADROOM_BYTES, Engine, EngineConfig, RequestError, weights_dtype
+from decodejax.metadata import ForwardContext
 from decodejax.sampling import SamplingParams
 from models import llama
 
@@ -207,3 +208,28 @@ def test_for_model_sizes_the_pool_to_the_rows_and_context_asked_for():
     with pytest.raises(ValueError, match="max_context=4096"):  # 100 MiB free: 50 pages, not the 257 of one 4,096-token request
         EngineConfig.for_model(LLAMA3_8B, jnp.bfloat16, {"bytes_limit": POOL_HEADROOM_BYTES + (100 << 20), "bytes_in_use": 0},
                                max_batch=1, max_context=4096)
+
+
+def test_a_traced_forward_traces_one_decoder_layer_and_an_eager_one_runs_each(monkeypatch):
+    """Capture traces one layer per bucket, not one per layer, and records that trace's backend
+    selections, for a second engine on the same model too (its traces must not reuse the first
+    engine's layer, whose backends were picked under the first trace's dispatch state); an eager
+    forward, as the Hugging Face parity tests run it, calls every layer."""
+    traced_calls = []
+    layer_call = llama.DecoderLayer.__call__
+
+    def counting(self, x, *args):
+        traced_calls.append(isinstance(x, jax.core.Tracer))
+        return layer_call(self, x, *args)
+
+    monkeypatch.setattr(llama.DecoderLayer, "__call__", counting)
+    four_layers = llama.random(dataclasses.replace(llama.PRESETS["tiny"], num_layers=4), seed=1)
+    for _ in range(2):
+        engine = Engine(four_layers, EngineConfig(max_batch=2, max_context=64, capture_ladder=(1, 2)))
+        assert traced_calls == [True, True]
+        assert all(engine.runner.selections[bs] for bs in (1, 2))
+        traced_calls.clear()
+    forward, state = four_layers.functional()
+    runner = engine.runner
+    logits, _ = forward(state, runner.pool, ForwardContext.for_decode(runner.buffers, 1, runner.layer_leaves))
+    assert traced_calls == [False] * 4 and logits.shape == (1, 1, four_layers.config.vocab_size)
