@@ -72,7 +72,7 @@ class HFTokenizer:
 
 # EngineConfig.for_model on a device that reports its memory (a GPU). 64 rows: the default
 # capture ladder up to 64 is nine buckets (64 to 82 s to compile cold for llama3-8b on the H200,
-# 7.3 to 9.8 s from the compilation cache; benchmarks/README.md, fortieth session). 8,192
+# 8.2 and 8.9 s from the compilation cache; benchmarks/README.md, forty-first session). 8,192
 # tokens: the longest context the end-to-end benchmark runs, a block table row of 512 entries.
 DEVICE_MAX_BATCH = 64
 DEVICE_MAX_CONTEXT = 8192
