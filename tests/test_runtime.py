@@ -449,9 +449,10 @@ def test_R3_padded_rows_with_nan_activations_never_touch_live_pages():
 
 
 def test_R1_a_bucket_reused_with_100_table_sets_matches_eager_every_step():
-    # float32 matmuls: on a GPU, XLA's default precision lets the captured and the eager step
-    # pick differently rounding (TF32) GEMMs, whose K rows then differ by up to 2e-4 (H200,
-    # fortieth session); this test is about which pages a reused bucket reads and writes.
+    # float32 matmuls: at XLA's default precision (which allows TF32 on a GPU) the captured and
+    # the eager step's K rows differed by up to 2.07e-4 on the H200, and matched at float32
+    # (benchmarks/README.md, forty-first session); this test is about which pages a reused
+    # bucket reads and writes, not about GEMM rounding.
     with jax.default_matmul_precision("float32"):
         runner = make_runner()
         runner.capture(progress=None)
