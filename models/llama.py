@@ -140,6 +140,11 @@ class RMSNorm(nnx.Module):
         return jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
 
 
+# A layer sees the cache and the metadata through one-layer views (`KVPool.layer_view`,
+# `ForwardContext.layer_view`), in which its own layer is this index.
+VIEW_LAYER = 0
+
+
 def _dense(rngs: nnx.Rngs, n_in: int, n_out: int, dtype) -> nnx.Param:
     return nnx.Param((jax.random.normal(rngs.params(), (n_in, n_out), jnp.float32) * n_in**-0.5).astype(dtype))
 
@@ -180,14 +185,14 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, ctx.positions, inv_freq), apply_rope(k, ctx.positions, inv_freq)
         flat = lambda t: t.reshape(rows * N, *t.shape[2:])  # noqa: E731
-        pool = pool.write(0, ctx.write_locations(0, ctx.mode), flat(k), flat(v))
+        pool = pool.write(VIEW_LAYER, ctx.write_locations(VIEW_LAYER, ctx.mode), flat(k), flat(v))
         window = None if c.sliding_window is None else c.sliding_window - 1
-        k_pages, v_pages = pool.k[0], pool.v[0]
+        k_pages, v_pages = pool.k[VIEW_LAYER], pool.v[VIEW_LAYER]
         if ctx.mode == "extend":  # prefill / chunked prefill: tiles of new tokens share each K/V load
-            table, qo_indptr, kv_lens = ctx.append_rows(0)
+            table, qo_indptr, kv_lens = ctx.append_rows(VIEW_LAYER)
             o = decodejax.append_attention(flat(q).astype(pool.dtype), k_pages, v_pages, table, qo_indptr, kv_lens, window_left=window)
         else:
-            table, lens = ctx.attention_rows(0)
+            table, lens = ctx.attention_rows(VIEW_LAYER)
             o = decodejax.decode_attention(flat(q).astype(pool.dtype), k_pages, v_pages, table, lens, window_left=window)
         return o.reshape(rows, N, c.num_heads * c.head_dim).astype(x.dtype) @ self.wo[...], pool
 
@@ -243,7 +248,7 @@ class Llama(nnx.Module):
 def _run_layer(graphdef, state, x, pool: KVPool, ctx: ForwardContext, inv_freq):
     """One decoder layer on its one-layer views: (x, its K pages, its V pages)."""
     x, pool = nnx.merge(graphdef, state)(x, pool, ctx, inv_freq)
-    return x, pool.k[0], pool.v[0]
+    return x, pool.k[VIEW_LAYER], pool.v[VIEW_LAYER]
 
 
 def _layer_runner(traced: bool):
