@@ -168,7 +168,8 @@ def run_case(case, results, sweep: bool, tune: bool = False, ours_only: bool = F
     plan = decodejax._ops.decode_plan(case.batch, case.kv_heads, table.shape[1] * case.page_size, config, num_splits=None,
                                       deterministic=False, head_dim=case.head_dim)
     if plan.capacity > 1:
-        record(FUSED_MERGE, ours(config=dataclasses.replace(config, fused_merge=True)), q, k, v, table, lens, gpu_span=True)
+        record(FUSED_MERGE, ours(config=dataclasses.replace(config, fused_merge=True)), q, k, v, table, lens, gpu_span=True,
+               in_program=True)
         record(LAUNCH_ORDER, ours(config=dataclasses.replace(config, longest_first=False)), q, k, v, table, lens, gpu_span=True,
                in_program=True)
     if tune_mosaic:

@@ -22,8 +22,9 @@ writes (0, -inf). With a plan of one slot the program writes the output itself. 
 `merge_states` reduces the slots in a second launch, or, with `DecodeConfig.fused_merge`, in
 the same launch: each program counts itself done on an i32[B, H_kv] counter (an atomic add,
 acquire-release at GPU scope, after a block barrier, so every thread's partial-state stores
-come before it), and the program that counts last folds the S states of its G rows in slot
-order, one slot of every row per step, so the result is the same whichever program that is.
+come before it), and the program that counts last folds the S states of each of its G rows
+as the merge launch does (`merge_states.fold_slots`: a block of slots a step, in slot order),
+so the result is the same whichever program that is.
 Its pure-jnp twin is `decodejax.reference.paged_decode`.
 """
 
@@ -40,8 +41,7 @@ from jax.experimental.pallas import triton as plgpu
 from decodejax.addressing import KVLayout, pool_geometry
 from decodejax.masks import DecodeMask, visible
 from decodejax.planning import SplitPlan
-from decodejax.split_state import LOG2_E, rescale_base2
-from pallas_kernels.merge_states import merge_states
+from pallas_kernels.merge_states import default_block_s, fold_slots, merge_states
 from pallas_kernels.paged_blocks import finish, initial_carry, load_kv_block, online_softmax_step
 
 MIN_DOT_ROWS = 16  # Triton dots need >= 16 rows: the G query rows are padded to this.
@@ -67,9 +67,11 @@ class DecodeConfig:
         fourteenth session). Before the equal-lengths skip, ranking cost those up to 17%.
       fused_merge: with more than one split slot, merge them in the kernel's launch (the last
         program of a (request, K/V head) to finish merges) rather than in a second launch. Off
-        by default: on the H200 the merging program's serial fold made the kernel 8 us slower
-        at B 1 (32 slots) and 1.5 us at B 8 (4 slots) than kernel plus merge launch, against
-        6 us faster on the ragged batch and even at D 64 (benchmarks/README.md).
+        by default: on the H200, inside one program, the kernel merging its own slots took 8.5
+        against 6.2 us at B 1, T 2,048, 13.3 against 10.8 at B 1, T 8,192 and 68.3 against 66.9
+        at B 8, T 8,192 (kernel plus merge launch), and the llama3-8b engine's B 1 step 4.24
+        against 4.17 ms (benchmarks/README.md, forty-second session). The ragged batch and
+        D 64, where the earlier slot-by-slot fold was faster fused, were not rerun with this fold.
     """
 
     block_k: int = 128
@@ -229,25 +231,22 @@ def _merge_if_last(o_part_ref, lse_part_ref, counter_ref, o_ref, lse_ref, b, h, 
     @pl.when(done_before == num_slots - 1)
     def _merge():
         d = o_ref.shape[-1]
-        lanes = jnp.arange(d)[None, :]
-        g = jnp.arange(MIN_DOT_ROWS)
-        g_live = g < group
-        rows = h * group + jnp.minimum(g, group - 1)
+        lanes = jnp.arange(d)
 
-        def fold(s, carry):  # slot s of every row, in the base-2 running state of `finish`
-            m, l, acc = carry
-            lse = plgpu.load(lse_part_ref.at[b, rows, s], mask=g_live, other=-jnp.inf) * LOG2_E
-            filled = g_live & (lse > -jnp.inf)  # an EMPTY slot's o is never read
-            o = plgpu.load(o_part_ref.at[b, rows[:, None], s, lanes], mask=filled[:, None], other=0.0)
-            m_new = jnp.maximum(m, lse)
-            m_safe, scale = rescale_base2(m, m_new)
-            w = jnp.exp2(lse - m_safe)  # exactly 0 for EMPTY slots
-            return m_new, l * scale + w, acc * scale[:, None] + w[:, None] * o
+        def merged(row):  # the merge launch's fold of one row, slots read a block at a time
+            return fold_slots(
+                lambda slots, live: plgpu.load(lse_part_ref.at[b, row, slots], mask=live, other=-jnp.inf),
+                lambda slots, filled: plgpu.load(o_part_ref.at[b, row, slots[:, None], lanes[None, :]],
+                                                 mask=filled[:, None], other=0.0),
+                num_slots=num_slots, block_s=default_block_s(d), head_dim=d)
 
-        o, lse = finish(*jax.lax.fori_loop(0, num_slots, fold, initial_carry(MIN_DOT_ROWS, d)))
-        out_rows = h * group + g  # masked past the group, as the kernel's own stores
-        plgpu.store(o_ref.at[b, out_rows[:, None], lanes], o.astype(o_ref.dtype), mask=g_live[:, None])
-        plgpu.store(lse_ref.at[b, out_rows], lse, mask=g_live)
+        # Every row's loads come before any store: the rows' folds are independent, so their
+        # loads can be in flight together rather than one row's after another's store.
+        rows = [h * group + r for r in range(group)]
+        states = [merged(row) for row in rows]
+        for row, (o, lse) in zip(rows, states):
+            plgpu.store(o_ref.at[b, row, lanes], o.astype(o_ref.dtype))
+            lse_ref[b, row] = lse
 
 
 def _launch(q, k_pages, v_pages, page_table, seq_lens, cache_batch_idx, *, layout, sm_scale, soft_cap, mask, config, plan,

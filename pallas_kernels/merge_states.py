@@ -46,6 +46,35 @@ def default_block_s(head_dim: int) -> int:
     return max(16, min(64, 8192 // head_dim))
 
 
+def fold_slots(load_lse, load_o, *, num_slots: int, block_s: int, head_dim: int):
+    """One row's merged state (o f32[head_dim], lse f32 natural log) from its num_slots partial
+    states, folded block_s slots a step with an online log-sum-exp, in slot order.
+
+    load_lse(slots i32[block_s], live bool[block_s]) -> the slots' natural-log lse, -inf where
+    not live; load_o(slots, filled bool[block_s]) -> their o f32[block_s, head_dim], 0 where not
+    filled (an EMPTY slot's o is never read: it may hold anything, NaN included). The merge
+    launch and the decode kernel's fused merge both fold with this, so they agree.
+    """
+
+    def body(i, carry):
+        m, l, acc = carry
+        slots = i * block_s + jnp.arange(block_s)
+        live = slots < num_slots
+        slots = jnp.minimum(slots, num_slots - 1)
+        lse = load_lse(slots, live) * LOG2_E
+        o = load_o(slots, lse > -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(lse))
+        m_safe, scale = rescale_base2(m, m_new)
+        w = jnp.exp2(lse - m_safe)  # exactly 0 for EMPTY slots
+        return m_new, l * scale + jnp.sum(w), acc * scale + jnp.sum(w[:, None] * o, axis=0)
+
+    init = (jnp.float32(-jnp.inf), jnp.float32(0.0), jnp.zeros((head_dim,), jnp.float32))
+    m, l, acc = jax.lax.fori_loop(0, pl.cdiv(num_slots, block_s), body, init)
+    valid = l > 0
+    o = jnp.where(valid, acc / jnp.where(valid, l, 1.0), 0.0)
+    return o, jnp.where(valid, (m + jnp.log2(jnp.where(valid, l, 1.0))) / LOG2_E, -jnp.inf)
+
+
 def _merge_kernel(o_ref, lse_ref, out_o_ref, out_lse_ref, *, num_slots: int, block_s: int):
     # o_ref:       [N, S, D] f32   partial outputs
     # lse_ref:     [N, S]    f32   natural-log LSE, -inf for EMPTY
@@ -53,26 +82,12 @@ def _merge_kernel(o_ref, lse_ref, out_o_ref, out_lse_ref, *, num_slots: int, blo
     # out_lse_ref: [N]       f32   merged LSE
     n = pl.program_id(0)
     d = o_ref.shape[-1]
-
-    def body(i, carry):
-        m, l, acc = carry
-        slots = i * block_s + jnp.arange(block_s)
-        live = slots < num_slots
-        slots = jnp.minimum(slots, num_slots - 1)
-        lse = plgpu.load(lse_ref.at[n, slots], mask=live, other=-jnp.inf) * LOG2_E
-        # An EMPTY slot's output is never read: it may hold anything, NaN included.
-        filled = lse > -jnp.inf
-        o = plgpu.load(o_ref.at[n, slots[:, None], jnp.arange(d)[None, :]], mask=filled[:, None], other=0.0)
-        m_new = jnp.maximum(m, jnp.max(lse))
-        m_safe, scale = rescale_base2(m, m_new)
-        w = jnp.exp2(lse - m_safe)  # exactly 0 for EMPTY slots
-        return m_new, l * scale + jnp.sum(w), acc * scale + jnp.sum(w[:, None] * o, axis=0)
-
-    init = (jnp.float32(-jnp.inf), jnp.float32(0.0), jnp.zeros((d,), jnp.float32))
-    m, l, acc = jax.lax.fori_loop(0, pl.cdiv(num_slots, block_s), body, init)
-    valid = l > 0
-    out_o_ref[n, :] = jnp.where(valid, acc / jnp.where(valid, l, 1.0), 0.0).astype(out_o_ref.dtype)
-    out_lse_ref[n] = jnp.where(valid, (m + jnp.log2(jnp.where(valid, l, 1.0))) / LOG2_E, -jnp.inf)
+    lanes = jnp.arange(d)[None, :]
+    o, lse = fold_slots(lambda slots, live: plgpu.load(lse_ref.at[n, slots], mask=live, other=-jnp.inf),
+                        lambda slots, filled: plgpu.load(o_ref.at[n, slots[:, None], lanes], mask=filled[:, None], other=0.0),
+                        num_slots=num_slots, block_s=block_s, head_dim=d)
+    out_o_ref[n, :] = o.astype(out_o_ref.dtype)
+    out_lse_ref[n] = lse
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret"))
