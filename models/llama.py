@@ -239,15 +239,15 @@ class Llama(nnx.Module):
         run_layer = _layer_runner(traced=isinstance(x, jax.core.Tracer))
         k, v = list(pool.k), list(pool.v)
         for i, layer in enumerate(self.layers):
-            x, k[i], v[i] = run_layer(*nnx.split(layer), x, pool.layer_view(i), ctx.layer_view(i), self.inv_freq[...])
+            x, k[i], v[i] = run_layer(layer, x, pool.layer_view(i), ctx.layer_view(i), self.inv_freq[...])
         pool = KVPool(tuple(k), tuple(v))
         head = self.embed[...].T if self.config.tie_word_embeddings else self.lm_head[...]
         return self.norm.project(x, head), pool
 
 
-def _run_layer(graphdef, state, x, pool: KVPool, ctx: ForwardContext, inv_freq):
+def _call_layer(layer: "DecoderLayer", x, pool: KVPool, ctx: ForwardContext, inv_freq):
     """One decoder layer on its one-layer views: (x, its K pages, its V pages)."""
-    x, pool = nnx.merge(graphdef, state)(x, pool, ctx, inv_freq)
+    x, pool = layer(x, pool, ctx, inv_freq)
     return x, pool.k[VIEW_LAYER], pool.v[VIEW_LAYER]
 
 
@@ -259,14 +259,15 @@ def _layer_runner(traced: bool):
     backends) and its backend selections are recorded with it. Outside a trace (the runner's
     eager mode, a notebook's forward), each layer runs op by op, as before."""
     if not traced:
-        return _run_layer
+        return _call_layer
 
-    def run_layer_of_this_trace(*args):
-        # A new function each trace: jax keys its trace cache on the function, so a jit of
-        # _run_layer itself would hand a later trace the first one's layer, backends and all.
-        return _run_layer(*args)
+    # A new function each trace: jax keys its trace cache on the function, so a jit of one
+    # module-level function would hand a later trace the first one's layer, backends and all.
+    def run_layer_of_this_trace(graphdef, state, *args):
+        return _call_layer(nnx.merge(graphdef, state), *args)
 
-    return jax.jit(run_layer_of_this_trace, static_argnums=0)
+    traced_layer = jax.jit(run_layer_of_this_trace, static_argnums=0)
+    return lambda layer, *args: traced_layer(*nnx.split(layer), *args)
 
 
 def functional(model: Llama):
