@@ -232,18 +232,10 @@ def _merge_if_last(o_part_ref, lse_part_ref, counter_ref, o_ref, lse_ref, b, h, 
     def _merge():
         d = o_ref.shape[-1]
         lanes = jnp.arange(d)
-
-        def merged(row):  # the merge launch's fold of one row, slots read a block at a time
-            return fold_slots(
-                lambda slots, live: plgpu.load(lse_part_ref.at[b, row, slots], mask=live, other=-jnp.inf),
-                lambda slots, filled: plgpu.load(o_part_ref.at[b, row, slots[:, None], lanes[None, :]],
-                                                 mask=filled[:, None], other=0.0),
-                num_slots=num_slots, block_s=default_block_s(d), head_dim=d)
-
         # Every row's loads come before any store: the rows' folds are independent, so their
         # loads can be in flight together rather than one row's after another's store.
         rows = [h * group + r for r in range(group)]
-        states = [merged(row) for row in rows]
+        states = [fold_slots(o_part_ref, lse_part_ref, (b, row), num_slots=num_slots, block_s=default_block_s(d)) for row in rows]
         for row, (o, lse) in zip(rows, states):
             plgpu.store(o_ref.at[b, row, lanes], o.astype(o_ref.dtype))
             lse_ref[b, row] = lse

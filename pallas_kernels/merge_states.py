@@ -46,24 +46,26 @@ def default_block_s(head_dim: int) -> int:
     return max(16, min(64, 8192 // head_dim))
 
 
-def fold_slots(load_lse, load_o, *, num_slots: int, block_s: int, head_dim: int):
-    """One row's merged state (o f32[head_dim], lse f32 natural log) from its num_slots partial
-    states, folded block_s slots a step with an online log-sum-exp, in slot order.
+def fold_slots(o_ref, lse_ref, row: tuple, *, num_slots: int, block_s: int):
+    """Row `row`'s merged state (o f32[D], lse f32 natural log) from its num_slots partial states
+    o_ref[*row, S, D], lse_ref[*row, S] (natural-log lse, -inf for EMPTY), folded block_s slots
+    a step with an online log-sum-exp, in slot order.
 
-    load_lse(slots i32[block_s], live bool[block_s]) -> the slots' natural-log lse, -inf where
-    not live; load_o(slots, filled bool[block_s]) -> their o f32[block_s, head_dim], 0 where not
-    filled (an EMPTY slot's o is never read: it may hold anything, NaN included). The merge
-    launch and the decode kernel's fused merge both fold with this: the same steps in the same
-    order (not bit for bit: in interpret mode test S3 saw their lse differ by up to 2.4e-7).
+    An EMPTY slot's o is never read: it may hold anything, NaN included. The merge launch and
+    the decode kernel's fused merge both fold with this: the same steps in the same order (not
+    bit for bit: in interpret mode test S3 saw their lse differ by up to 2.4e-7).
     """
+    head_dim = o_ref.shape[-1]
+    lanes = jnp.arange(head_dim)[None, :]
 
     def body(i, carry):
         m, l, acc = carry
         slots = i * block_s + jnp.arange(block_s)
         live = slots < num_slots
         slots = jnp.minimum(slots, num_slots - 1)
-        lse = load_lse(slots, live) * LOG2_E
-        o = load_o(slots, lse > -jnp.inf)
+        lse = plgpu.load(lse_ref.at[(*row, slots)], mask=live, other=-jnp.inf) * LOG2_E
+        filled = lse > -jnp.inf
+        o = plgpu.load(o_ref.at[(*row, slots[:, None], lanes)], mask=filled[:, None], other=0.0)
         m_new = jnp.maximum(m, jnp.max(lse))
         m_safe, scale = rescale_base2(m, m_new)
         w = jnp.exp2(lse - m_safe)  # exactly 0 for EMPTY slots
@@ -82,11 +84,7 @@ def _merge_kernel(o_ref, lse_ref, out_o_ref, out_lse_ref, *, num_slots: int, blo
     # out_o_ref:   [N, D]          merged output (row n)
     # out_lse_ref: [N]       f32   merged LSE
     n = pl.program_id(0)
-    d = o_ref.shape[-1]
-    lanes = jnp.arange(d)[None, :]
-    o, lse = fold_slots(lambda slots, live: plgpu.load(lse_ref.at[n, slots], mask=live, other=-jnp.inf),
-                        lambda slots, filled: plgpu.load(o_ref.at[n, slots[:, None], lanes], mask=filled[:, None], other=0.0),
-                        num_slots=num_slots, block_s=block_s, head_dim=d)
+    o, lse = fold_slots(o_ref, lse_ref, (n,), num_slots=num_slots, block_s=block_s)
     out_o_ref[n, :] = o.astype(out_o_ref.dtype)
     out_lse_ref[n] = lse
 
