@@ -130,7 +130,7 @@ def run_case(case, results, sweep: bool, tune: bool = False, ours_only: bool = F
 
     import decodejax
     from decodejax import KVLayout, reference
-    from pallas_kernels.decode_attention import default_config
+    from pallas_kernels import decode_attention as triton_kernel
 
     data = bench_cases.make_case(case)
     nbytes = bench_cases.kv_bytes(case)
@@ -164,7 +164,8 @@ def run_case(case, results, sweep: bool, tune: bool = False, ours_only: bool = F
     record(MOSAIC_AUTO, ours("pallas_mosaic_gpu"), q, k, v, table, lens, gpu_span=True, in_program=True)
     # The split slots merged in the kernel's own launch instead of by a second one (merge_states);
     # a plan of one slot has nothing to merge and runs the same single launch either way.
-    config = default_config(case.head_dim)
+    config, _, _ = decodejax._ops.kernel_items(triton_kernel, None, case.head_dim, case.kv_heads, case.q_heads // case.kv_heads,
+                                               KVLayout.PAGED_NHD, batch=case.batch)
     plan = decodejax._ops.decode_plan(case.batch, case.kv_heads, table.shape[1] * case.page_size, config, num_splits=None,
                                       deterministic=False, head_dim=case.head_dim)
     if plan.capacity > 1:

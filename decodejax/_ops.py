@@ -96,15 +96,19 @@ def _validate_paged_args(q, k_pages, v_pages, page_table, seq_lens, cache_batch_
                         lens_name=lens_name)
 
 
-def kernel_items(kernel, config, head_dim: int, kv_heads: int, group: int, layout: KVLayout):
+def kernel_items(kernel, config, head_dim: int, kv_heads: int, group: int, layout: KVLayout, batch: int | None = None):
     """(config, K/V heads, head dim) of a decode kernel's work items: `config`, or the kernel's default
     where it is None, and the geometry its items see. The Mosaic kernel may run two K/V heads an item
     (`decode_attention_mgpu.item_geometry`), and its plan then counts pairs of heads of twice the
-    head dim; the Triton kernel's items are single heads."""
+    head dim; the Triton kernel's items are single heads, and its default tiling follows whether
+    `batch` (None: unknown, taken as small) fills the GPU."""
     from pallas_kernels import decode_attention_mgpu
 
     if kernel is not decode_attention_mgpu:
-        return (kernel.default_config(head_dim) if config is None else config), kv_heads, head_dim
+        if config is None:
+            fills_gpu = batch is not None and planning.batch_fills_gpu(batch, kv_heads, _num_sms(), head_dim)
+            config = kernel.default_config(head_dim, fills_gpu=fills_gpu)
+        return config, kv_heads, head_dim
     if config is None:
         config = kernel.default_config(head_dim, pairable=kernel.pairable_heads(head_dim, kv_heads, group, layout))
     return (config, *kernel.item_geometry(config, head_dim, kv_heads, group, layout))
@@ -238,7 +242,7 @@ def _attention_pallas(q, k_pages, v_pages, page_table, seq_lens, *, layout, cach
     config_type = decode_attention_mgpu.MosaicDecodeConfig if mosaic else decode_attention.DecodeConfig
     if config is not None and not isinstance(config, config_type):
         raise ValueError(f"config={config!r} does not configure this backend's kernel (a {config_type.__name__})")
-    config, item_heads, item_dim = kernel_items(kernel, config, D, H_kv, H_q // H_kv, layout)
+    config, item_heads, item_dim = kernel_items(kernel, config, D, H_kv, H_q // H_kv, layout, batch=B)
     plan = decode_plan(B, item_heads, page_table.shape[1] * P, config, num_splits=num_splits, deterministic=deterministic,
                        head_dim=item_dim)
     seq_lens, page_table = seq_lens.astype(jnp.int32), page_table.astype(jnp.int32)

@@ -293,9 +293,15 @@ def decode_split_capacity(
     """
     blocks = -(-max_len // block_k)
     target = decode_target_splits(kv_heads, num_sms, head_dim, items_per_sm)
-    fills_gpu = batch * kv_heads >= PROGRAMS_PER_SM * num_sms * 128 // head_dim
-    cap = None if fills_gpu else split_cap_blocks(block_k)
+    cap = None if batch_fills_gpu(batch, kv_heads, num_sms, head_dim) else split_cap_blocks(block_k)
     return int(_adaptive_count(np, blocks, batch * blocks, max_splits, target, cap))
+
+
+def batch_fills_gpu(batch: int, kv_heads: int, num_sms: int, head_dim: int = 128) -> bool:
+    """Whether a decode batch's (request, K/V head) programs alone fill every program slot of the
+    GPU: PROGRAMS_PER_SM per SM at D 128, scaled by 128 / head_dim. Such a batch gets no split cap
+    (`decode_split_capacity`) and the Triton kernel's smaller tiles (`default_config`)."""
+    return batch * kv_heads >= PROGRAMS_PER_SM * num_sms * 128 // head_dim
 
 
 def split_cap_blocks(block_k: int) -> int:

@@ -173,7 +173,7 @@ class DecodeAttentionCases:
         tiling and the geometry its plan's alignment and split target follow (`_ops.kernel_items`)."""
         kernel = decodejax.dispatch.decode_kernel(self.backend)
         return decodejax._ops.kernel_items(kernel, None, spec.head_dim, spec.kv_heads, spec.q_heads // spec.kv_heads,
-                                           KVLayout.PAGED_NHD)
+                                           KVLayout.PAGED_NHD, batch=spec.batch)
 
     @pytest.mark.parametrize("plan_options", [{}, {"num_splits": 3}, {"deterministic": True}, {"max_split_tokens": 128}],
                              ids=["auto", "splits=3", "deterministic", "auto_capped"])
@@ -245,6 +245,30 @@ class TritonDecodeAttentionCases(DecodeAttentionCases):
             again = self.run(args, num_splits=splits, config=fused)
             np.testing.assert_array_equal(np.asarray(again[0], np.float32), np.asarray(o, np.float32))
             np.testing.assert_array_equal(np.asarray(again[1]), np.asarray(lse))
+
+    def test_a_batch_that_fills_the_gpu_runs_64_token_blocks_in_one_slot(self, monkeypatch):
+        """Where the batch's own programs fill the GPU (`planning.batch_fills_gpu`: here on one SM,
+        so that four requests of two K/V heads do) the default tiling is 64-token blocks and the
+        plan one slot; the output is the oracle's for lengths that end inside a block, on a
+        block's edge, past a 128-token block's edge, and at 0. A GPU of 132 SMs keeps 128-token
+        blocks for the same batch."""
+        spec = Spec(batch=4, q_heads=8, kv_heads=2, head_dim=128, page_size=16, width=12)
+        kernel = decodejax.dispatch.decode_kernel(self.backend)
+
+        def config_on(sms):
+            monkeypatch.setattr(decodejax._ops, "_num_sms", lambda: sms)
+            return decodejax._ops.kernel_items(kernel, None, spec.head_dim, spec.kv_heads, 4, KVLayout.PAGED_NHD, batch=spec.batch)[0]
+
+        assert config_on(132).block_k == 128
+        config = config_on(1)
+        assert config.block_k == 64
+        plan = decodejax._ops.decode_plan(spec.batch, spec.kv_heads, spec.max_len, config, num_splits=None, deterministic=False)
+        assert plan.capacity == 1
+        problem = make_problem(spec, np.random.default_rng(14), lengths=[100, 64, 129, 0])
+        args = to_device(problem, jnp.bfloat16)
+        o, lse = self.run(args)
+        ref_o, ref_lse = oracle(args, KVLayout.PAGED_NHD)
+        assert_matches_oracle(o, lse, ref_o, ref_lse, "bfloat16", problem["seq_lens"])
 
     @pytest.mark.parametrize("lengths", [(3200, 0, 2900, 700), (2000,) * 4], ids=["uneven", "equal"])
     @pytest.mark.parametrize("plan_options", [{}, {"num_splits": 3}, {"deterministic": True}], ids=["auto", "splits=3", "deterministic"])

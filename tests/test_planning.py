@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from decodejax import fixtures, planning
+from decodejax import KVLayout, fixtures, planning
 from decodejax.planning import PlanMismatch, SplitPlan
 from pallas_kernels.decode_attention import DecodeConfig
 
@@ -188,6 +188,22 @@ def test_a_batch_that_fills_the_gpu_gets_no_slots_for_the_split_cap():
     cap_slots = -(-8238 // planning.MAX_SPLIT_TOKENS)
     assert [planning.decode_split_capacity(b, 8, 8238, 128, 132) for b in (32, 49, 50, 64, 128)] == [cap_slots, cap_slots, 1, 1, 1]
     assert planning.decode_split_capacity(64, 8, 8238, 128, 132, head_dim=64) == cap_slots  # D 64: 6 programs per SM
+
+
+def test_the_triton_kernel_takes_64_token_blocks_where_the_batch_fills_the_gpu():
+    """The same threshold (132 SMs, H_kv 8): from B 50 at D 128 the default tiling halves its
+    K/V blocks, which keeps the one-slot plan; at D 64 the threshold doubles and the halved tile
+    is the 128-token block it already had; a call whose batch is not known keeps the default."""
+    from decodejax import _ops
+    from pallas_kernels import decode_attention as triton_kernel
+
+    block = lambda batch, d=128: _ops.kernel_items(triton_kernel, None, d, 8, 4, KVLayout.PAGED_NHD, batch=batch)[0].block_k
+    assert [block(b) for b in (1, 32, 49, 50, 64, 128)] == [128, 128, 128, 64, 64, 64]
+    assert [block(b, d=64) for b in (64, 99, 128)] == [128, 128, 128]
+    assert _ops.kernel_items(triton_kernel, None, 128, 8, 4, KVLayout.PAGED_NHD)[0].block_k == 128
+    for batch in (50, 128):
+        config = _ops.kernel_items(triton_kernel, None, 128, 8, 4, KVLayout.PAGED_NHD, batch=batch)[0]
+        assert _ops.decode_plan(batch, 8, 8238, config, num_splits=None, deterministic=False).capacity == 1
 
 
 def test_auto_plan_caps_its_splits_at_max_split_tokens():
