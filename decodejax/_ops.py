@@ -101,13 +101,13 @@ def kernel_items(kernel, config, head_dim: int, kv_heads: int, group: int, layou
     where it is None, and the geometry its items see. The Mosaic kernel may run two K/V heads an item
     (`decode_attention_mgpu.item_geometry`), and its plan then counts pairs of heads of twice the
     head dim; the Triton kernel's items are single heads, and its default tiling follows whether
-    `batch` (None: unknown, taken as small) fills the GPU."""
+    `batch` (None: unknown, taken as small) fills the GPU with grouped queries."""
     from pallas_kernels import decode_attention_mgpu
 
     if kernel is not decode_attention_mgpu:
         if config is None:
             fills_gpu = batch is not None and planning.batch_fills_gpu(batch, kv_heads, _num_sms(), head_dim)
-            config = kernel.default_config(head_dim, fills_gpu=fills_gpu)
+            config = kernel.default_config(head_dim, grouped_batch_fills_gpu=fills_gpu and group > 1)
         return config, kv_heads, head_dim
     if config is None:
         config = kernel.default_config(head_dim, pairable=kernel.pairable_heads(head_dim, kv_heads, group, layout))

@@ -300,7 +300,8 @@ def decode_split_capacity(
 def batch_fills_gpu(batch: int, kv_heads: int, num_sms: int, head_dim: int = 128) -> bool:
     """Whether a decode batch's (request, K/V head) programs alone fill every program slot of the
     GPU: PROGRAMS_PER_SM per SM at D 128, scaled by 128 / head_dim. Such a batch gets no split cap
-    (`decode_split_capacity`) and the Triton kernel's smaller tiles (`default_config`)."""
+    (`decode_split_capacity`) and, with grouped queries, the Triton kernel's smaller tiles
+    (`pallas_kernels.decode_attention.default_config`)."""
     return batch * kv_heads >= PROGRAMS_PER_SM * num_sms * 128 // head_dim
 
 

@@ -92,21 +92,23 @@ class DecodeConfig:
         return 2
 
 
-def default_config(head_dim: int, *, fills_gpu: bool = False) -> DecodeConfig:
+def default_config(head_dim: int, *, grouped_batch_fills_gpu: bool = False) -> DecodeConfig:
     """Heuristic tiling: one K plus one V tile per stage near 64 KiB of shared memory, or half
-    that for a batch whose (request, K/V head) programs alone fill the GPU (`fills_gpu`,
-    `planning.batch_fills_gpu`), where every request runs whole in one program.
+    that for a batch of grouped queries (H_q > H_kv) whose (request, K/V head) programs alone fill
+    the GPU (`planning.batch_fills_gpu`), where every request runs whole in one program.
 
     On the H200 (D = 128) block_k = 128 with 4 warps was the fastest or within 3% of it in
     the config sweep at B = 1, 32 and 128 (benchmarks/results/decode_attention_sweep.json).
-    Where the batch fills the GPU, block_k = 64 was faster in every case measured, inside one
-    program on the engine's 515-page table: B 64, T 512 37.97 -> 35.70 us; B 64, T 2,048
-    127.01 -> 123.55; B 64, T 8,192 480.2 -> 473.0; B 128, T 512 70.09 -> 66.79; B 128,
+    Where a batch of groups of 4 fills the GPU, block_k = 64 was faster in every case measured,
+    inside one program on the engine's 515-page table: B 64, T 512 37.97 -> 35.70 us; B 64,
+    T 2,048 127.01 -> 123.55; B 64, T 8,192 480.2 -> 473.0; B 128, T 512 70.09 -> 66.79; B 128,
     T 2,048 249.0 -> 242.9. Below that it was slower (B 32, T 2,048: 71.4 -> 83.3 us with the
-    split slots of a wide table; B 32, T 4,096 in one slot: 125.1 -> 126.5), and 32-token
-    blocks were slower at every shape (benchmarks/results/probe_large_batch_*_5d6931d.json).
+    split slots of a wide table; B 32, T 4,096 in one slot: 125.1 -> 126.5), 32-token blocks
+    were slower at every shape, and ungrouped queries, which also fill the GPU at B 32, T 4,096
+    with 32 K/V heads, took 486.9 -> 488.2 us (benchmarks/results/probe_large_batch_*_5d6931d.json,
+    probe_mha_tiles_da022e6.json).
     """
-    tile_elements = 8192 if fills_gpu else 16384
+    tile_elements = 8192 if grouped_batch_fills_gpu else 16384
     return DecodeConfig(block_k=max(16, min(128, tile_elements // head_dim)), num_warps=4, num_stages=3)
 
 

@@ -193,13 +193,17 @@ def test_a_batch_that_fills_the_gpu_gets_no_slots_for_the_split_cap():
 def test_the_triton_kernel_takes_64_token_blocks_where_the_batch_fills_the_gpu():
     """The same threshold (132 SMs, H_kv 8): from B 50 at D 128 the default tiling halves its
     K/V blocks, which keeps the one-slot plan; at D 64 the threshold doubles and the halved tile
-    is the 128-token block it already had; a call whose batch is not known keeps the default."""
+    is the 128-token block it already had; ungrouped queries (H_q = H_kv = 32, filling the GPU
+    from B 13) and a call whose batch is not known keep the default."""
     from decodejax import _ops
     from pallas_kernels import decode_attention as triton_kernel
 
-    block = lambda batch, d=128: _ops.kernel_items(triton_kernel, None, d, 8, 4, KVLayout.PAGED_NHD, batch=batch)[0].block_k
+    def block(batch, d=128, kv_heads=8, group=4):
+        return _ops.kernel_items(triton_kernel, None, d, kv_heads, group, KVLayout.PAGED_NHD, batch=batch)[0].block_k
+
     assert [block(b) for b in (1, 32, 49, 50, 64, 128)] == [128, 128, 128, 64, 64, 64]
     assert [block(b, d=64) for b in (64, 99, 128)] == [128, 128, 128]
+    assert planning.batch_fills_gpu(32, 32, 132) and block(32, kv_heads=32, group=1) == 128
     assert _ops.kernel_items(triton_kernel, None, 128, 8, 4, KVLayout.PAGED_NHD)[0].block_k == 128
     for batch in (50, 128):
         config = _ops.kernel_items(triton_kernel, None, 128, 8, 4, KVLayout.PAGED_NHD, batch=batch)[0]
