@@ -101,7 +101,9 @@ def kernel_items(kernel, config, head_dim: int, kv_heads: int, group: int, layou
     where it is None, and the geometry its items see. The Mosaic kernel may run two K/V heads an item
     (`decode_attention_mgpu.item_geometry`), and its plan then counts pairs of heads of twice the
     head dim; the Triton kernel's items are single heads, and its default tiling follows whether
-    `batch` (None: unknown, taken as small) fills the GPU with grouped queries."""
+    `batch` fills the GPU with grouped queries. batch=None keeps the tiling of a small batch,
+    whatever the batch: a deterministic call passes None, since another block size would sum a
+    request's keys in another order in another batch."""
     from pallas_kernels import decode_attention_mgpu
 
     if kernel is not decode_attention_mgpu:
@@ -242,7 +244,7 @@ def _attention_pallas(q, k_pages, v_pages, page_table, seq_lens, *, layout, cach
     config_type = decode_attention_mgpu.MosaicDecodeConfig if mosaic else decode_attention.DecodeConfig
     if config is not None and not isinstance(config, config_type):
         raise ValueError(f"config={config!r} does not configure this backend's kernel (a {config_type.__name__})")
-    config, item_heads, item_dim = kernel_items(kernel, config, D, H_kv, H_q // H_kv, layout, batch=B)
+    config, item_heads, item_dim = kernel_items(kernel, config, D, H_kv, H_q // H_kv, layout, batch=None if deterministic else B)
     plan = decode_plan(B, item_heads, page_table.shape[1] * P, config, num_splits=num_splits, deterministic=deterministic,
                        head_dim=item_dim)
     seq_lens, page_table = seq_lens.astype(jnp.int32), page_table.astype(jnp.int32)

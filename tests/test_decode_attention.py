@@ -251,7 +251,8 @@ class TritonDecodeAttentionCases(DecodeAttentionCases):
         so that four requests of two K/V heads do) the default tiling is 64-token blocks and the
         plan one slot; the output is the oracle's for lengths that end inside a block, on a
         block's edge, past a 128-token block's edge, and at 0. A GPU of 132 SMs keeps 128-token
-        blocks for the same batch."""
+        blocks for the same batch, and so does a deterministic call, whose row is then bitwise
+        that row run alone (a batch that does not fill the GPU)."""
         spec = Spec(batch=4, q_heads=8, kv_heads=2, head_dim=128, page_size=16, width=12)
         kernel = decodejax.dispatch.decode_kernel(self.backend)
 
@@ -269,6 +270,10 @@ class TritonDecodeAttentionCases(DecodeAttentionCases):
         o, lse = self.run(args)
         ref_o, ref_lse = oracle(args, KVLayout.PAGED_NHD)
         assert_matches_oracle(o, lse, ref_o, ref_lse, "bfloat16", problem["seq_lens"])
+        o_all, lse_all = self.run(args, deterministic=True)
+        o_one, lse_one = self.run({k: v[:1] if k in ("q", "seq_lens") else v for k, v in args.items()}, deterministic=True)
+        np.testing.assert_array_equal(np.asarray(o_one[0], np.float32), np.asarray(o_all[0], np.float32))
+        np.testing.assert_array_equal(np.asarray(lse_one[0]), np.asarray(lse_all[0]))
 
     @pytest.mark.parametrize("lengths", [(3200, 0, 2900, 700), (2000,) * 4], ids=["uneven", "equal"])
     @pytest.mark.parametrize("plan_options", [{}, {"num_splits": 3}, {"deterministic": True}], ids=["auto", "splits=3", "deterministic"])
