@@ -96,19 +96,21 @@ def _validate_paged_args(q, k_pages, v_pages, page_table, seq_lens, cache_batch_
                         lens_name=lens_name)
 
 
-def kernel_items(kernel, config, head_dim: int, kv_heads: int, group: int, layout: KVLayout, batch: int | None = None):
+def kernel_items(kernel, config, head_dim: int, kv_heads: int, group: int, layout: KVLayout, batch: int | None = None,
+                 deterministic: bool = False):
     """(config, K/V heads, head dim) of a decode kernel's work items: `config`, or the kernel's default
     where it is None, and the geometry its items see. The Mosaic kernel may run two K/V heads an item
     (`decode_attention_mgpu.item_geometry`), and its plan then counts pairs of heads of twice the
     head dim; the Triton kernel's items are single heads, and its default tiling follows whether
-    `batch` fills the GPU with grouped queries. batch=None keeps the tiling of a small batch,
-    whatever the batch: a deterministic call passes None, since another block size would sum a
+    `batch` fills the GPU with grouped queries. A deterministic call, or one whose batch is not
+    given, keeps the tiling of a small batch whatever the batch: another block size would sum a
     request's keys in another order in another batch."""
     from pallas_kernels import decode_attention_mgpu
 
     if kernel is not decode_attention_mgpu:
         if config is None:
-            fills_gpu = batch is not None and planning.batch_fills_gpu(batch, kv_heads, _num_sms(), head_dim)
+            fills_gpu = (batch is not None and not deterministic
+                         and planning.batch_fills_gpu(batch, kv_heads, _num_sms(), head_dim))
             config = kernel.default_config(head_dim, grouped_batch_fills_gpu=fills_gpu and group > 1)
         return config, kv_heads, head_dim
     if config is None:
@@ -244,7 +246,8 @@ def _attention_pallas(q, k_pages, v_pages, page_table, seq_lens, *, layout, cach
     config_type = decode_attention_mgpu.MosaicDecodeConfig if mosaic else decode_attention.DecodeConfig
     if config is not None and not isinstance(config, config_type):
         raise ValueError(f"config={config!r} does not configure this backend's kernel (a {config_type.__name__})")
-    config, item_heads, item_dim = kernel_items(kernel, config, D, H_kv, H_q // H_kv, layout, batch=None if deterministic else B)
+    config, item_heads, item_dim = kernel_items(kernel, config, D, H_kv, H_q // H_kv, layout, batch=B,
+                                                deterministic=deterministic)
     plan = decode_plan(B, item_heads, page_table.shape[1] * P, config, num_splits=num_splits, deterministic=deterministic,
                        head_dim=item_dim)
     seq_lens, page_table = seq_lens.astype(jnp.int32), page_table.astype(jnp.int32)

@@ -513,7 +513,7 @@ class DecodePlan:
         # backend without splits, whose runs ignore it).
         config, item_heads, item_dim = _ops.kernel_items(decode_kernel(selected), None, proj["head_dim"], proj["num_kv_heads"],
                                                          proj["num_q_heads"] // proj["num_kv_heads"], layout,
-                                                         batch=None if deterministic else proj["batch"])
+                                                         batch=proj["batch"], deterministic=deterministic)
         split = _ops.decode_plan(proj["batch"], item_heads, proj["table_width"] * proj["page_size"], config,
                                  num_splits=num_splits, deterministic=deterministic, head_dim=item_dim)
         return DecodePlan(**proj, split_capacity=split.capacity, backend=selected)

@@ -258,7 +258,8 @@ class TritonDecodeAttentionCases(DecodeAttentionCases):
 
         def config_on(sms):
             monkeypatch.setattr(decodejax._ops, "_num_sms", lambda: sms)
-            return decodejax._ops.kernel_items(kernel, None, spec.head_dim, spec.kv_heads, 4, KVLayout.PAGED_NHD, batch=spec.batch)[0]
+            return decodejax._ops.kernel_items(kernel, None, spec.head_dim, spec.kv_heads, spec.q_heads // spec.kv_heads,
+                                               KVLayout.PAGED_NHD, batch=spec.batch)[0]
 
         assert config_on(132).block_k == 128
         config = config_on(1)
