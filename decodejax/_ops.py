@@ -109,9 +109,9 @@ def kernel_items(kernel, config, head_dim: int, kv_heads: int, group: int, layou
 
     if kernel is not decode_attention_mgpu:
         if config is None:
-            fills_gpu = (batch is not None and not deterministic
-                         and planning.batch_fills_gpu(batch, kv_heads, _num_sms(), head_dim))
-            config = kernel.default_config(head_dim, grouped_batch_fills_gpu=fills_gpu and group > 1)
+            grouped_fills_gpu = (group > 1 and batch is not None and not deterministic
+                                 and planning.batch_fills_gpu(batch, kv_heads, _num_sms(), head_dim))
+            config = kernel.default_config(head_dim, grouped_batch_fills_gpu=grouped_fills_gpu)
         return config, kv_heads, head_dim
     if config is None:
         config = kernel.default_config(head_dim, pairable=kernel.pairable_heads(head_dim, kv_heads, group, layout))
