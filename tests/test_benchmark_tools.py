@@ -447,6 +447,31 @@ def test_e2e_step_timing_splits_each_step_into_submit_and_fetch_and_restores_the
     assert "submit" not in vars(engine.runner) and "fetch" not in vars(engine.runner)
 
 
+def test_e2e_peer_ratio_uses_the_peers_fastest_generate_and_keeps_each_generates_own():
+    """benchmarks.e2e_decode.attach_peer_ratios: the headline ratio takes the peer's fastest
+    generate less its fastest prefill; beside it, the peer's step as each generate alone puts it and
+    our speedup over each; shapes that either side did not measure get nothing."""
+    from benchmarks.e2e_decode import attach_peer_ratios
+
+    ours = [{"batch": 1, "context": 2048, "step_ms_median": 4.0, "tokens_per_s": 250.0},
+            {"batch": 8, "context": 2048, "step_ms_median": 5.0, "tokens_per_s": 1600.0},
+            {"batch": 64, "context": 8192, "skipped": "pool"}]
+    peer = {"steps": 10, "rows": [
+        # 11-token generates of 168, 148 and 160 ms, 1-token ones of 70, 68 and 69 ms: steps of
+        # 10.0, 8.0 and 9.2 ms; the fastest pair gives 8.0 ms, 125 tokens/s
+        {"batch": 1, "context": 2048, "prefill_s_samples": [0.070, 0.068, 0.069], "total_s_samples": [0.168, 0.148, 0.160],
+         "step_ms": 8.0, "tokens_per_s": 125.0},
+        {"batch": 8, "context": 2048, "not_run": "deadline of 400 s passed"},
+        {"batch": 64, "context": 8192, "error": "OutOfMemoryError"}]}
+    attach_peer_ratios(ours, peer)
+    b1, b8, b64 = ours
+    assert b1["speedup_vs_transformers"] == pytest.approx(2.0)
+    assert b1["transformers_step_ms_per_generate"] == pytest.approx([8.0, 9.2, 10.0])
+    assert b1["speedup_vs_transformers_per_generate"] == pytest.approx([2.0, 2.3, 2.5])
+    for row in (b8, b64):
+        assert not any(key.startswith(("speedup", "transformers")) for key in row)
+
+
 def test_e2e_pool_noise_takes_each_layers_pages_in_place():
     """benchmarks.e2e_decode.fill_pool_with_noise donates every layer's old pages (jit drops an
     unused argument, donated or not, and a pool kept alive beside its noise needs twice its memory:
