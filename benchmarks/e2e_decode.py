@@ -20,14 +20,14 @@ Weight bytes read = every parameter except the embedding table, plus the `batch`
 rows gathered (a tied head reads the table as the head). K/V bytes read = batch x context x
 layers x H_kv x D x 2 x itemsize.
 
-Each shape also replays its compiled step back to back (`replay_ms`), meant as the step without
-the engine's host work: the time of 12 calls less that of 2, over 10, each run from an idle
-device (`steady_per_call_ms`). Until the thirty-fifth session it was ten calls' time over ten,
-which read 0.37 to 0.48 ms above the engine's median step at every shape (benchmarks/results/
-e2e_decode_23de416.json): on the H200 the first call's dispatch took 3.2 to 4.7 ms at B 1 (a
-host trace, benchmarks/README.md), with nothing queued for the device meanwhile, and that run
-charged it to all ten calls. Each step's time in the runner's submit (pack and dispatch) and
-fetch (the wait for its tokens) is kept beside it.
+Each shape also replays its compiled step back to back (`replay_ms`), the step without the
+engine's host work: the time of 12 calls less that of 2, over 10, each run started after
+IDLE_BEFORE_RUN_S of idle and ended by reading its last call's tokens (`steady_per_call_ms`).
+Until the forty-eighth session the runs followed each other with no pause and ended on the
+donated buffers being ready, and the replay read 0.1 to 0.4 ms under the engine's step at every
+shape; on an H100, runs started from idle read the engine's step (benchmarks/README.md,
+forty-eighth session). Each step's time in the runner's submit (pack and dispatch) and fetch
+(the wait for its tokens) is kept beside it.
 
 The requests decode greedily. With `--top-p P` they sample (temperature 1, nucleus P, seeded):
 each step then also dispatches the runner's sorting `resample_step`, which the replay leaves
@@ -59,6 +59,7 @@ import time
 import numpy as np
 
 DATASHEET_BPS = 4.8e12
+IDLE_BEFORE_RUN_S = 1.0  # steady_per_call_ms: the pause before each timed run (the value measured)
 
 
 def weight_bytes_read(model, batch: int) -> int:
@@ -179,22 +180,21 @@ def measure(engine, batch: int, context: int, steps: int, warmup: int, rng, prof
     return row
 
 
-def replay_step_ms(engine, seated, samples: int = 10, short: int = 2, long: int = 12) -> list[float]:
+def replay_step_ms(engine, seated, samples: int = 5, short: int = 2, long: int = 12) -> list[float]:
     """ms per call of the batch's compiled step replayed back to back (`steady_per_call_ms` of runs
-    of `short` and `long` calls, each from an idle device and ended by one sync).
+    of `short` and `long` calls, each ended by reading its last call's tokens to the host).
 
     The same packed batch each time (the next token's K/V slot is rewritten), so no host work
-    runs between calls: the device-bound step time. The gap to `step_ms` is what the engine adds
-    around its steps (`benchmarks/engine_gap.py` looks for where).
+    runs between calls: the device-bound step time, which the engine's step is measured against.
     """
-    import jax
-
     runner, step, packed = replay_inputs(engine, seated)
 
     def run(calls: int) -> None:
         for _ in range(calls):
-            runner.pool, runner.buffers, _, _ = step(runner.param_leaves, runner.pool, runner.buffers, runner.sampling, packed)
-        jax.block_until_ready(runner.buffers)
+            runner.pool, runner.buffers, sampled, _ = step(runner.param_leaves, runner.pool, runner.buffers, runner.sampling, packed)
+        # The last call's tokens, not the donated buffers: on an H100 the tokens came 0.6 to 0.8 ms
+        # after block_until_ready(runner.buffers) had returned (forty-eighth session).
+        np.asarray(sampled)
 
     run(short)  # warm-up
     return [steady_per_call_ms(run, short, long) for _ in range(samples)]
@@ -215,14 +215,17 @@ def replay_inputs(engine, seated):
     return runner, step, packed
 
 
-def steady_per_call_ms(run, short: int, long: int) -> float:
+def steady_per_call_ms(run, short: int, long: int, idle_s: float | None = None) -> float:
     """ms per call once calls follow each other: (time of run(long) - time of run(short)) / (long - short).
 
-    run(n) makes n calls from an idle device and waits for them. What each run pays once cancels:
-    the first call's dispatch, which the device waits for with nothing queued, and the final sync.
-    Dividing one run's time by its calls charged that once-per-run cost to every call (see the
-    module docstring)."""
+    run(n) makes n calls and waits for them. Each run starts after `idle_s` (default
+    IDLE_BEFORE_RUN_S) of idle, so that what each run pays once cancels: the first call's
+    dispatch, which the device waits for with nothing queued, and the final sync. Without the
+    pause the runs leaked into each other: on an H100 (llama3-8b shape, B 1, T 2,048) the rate
+    read 5.30 to 5.37 ms against the engine's 5.6, and 5.61 to 5.66 with a 1-s pause
+    (benchmarks/README.md, forty-eighth session)."""
     def timed(calls: int) -> float:
+        time.sleep(IDLE_BEFORE_RUN_S if idle_s is None else idle_s)
         t = time.perf_counter()
         run(calls)
         return (time.perf_counter() - t) * 1e3

@@ -4,7 +4,6 @@
     summary = summarize_planes(load_planes(trace_dir), steps=N)
     timeline = stream_timeline(planes, steps=N)  # GPU busy and idle, and the host's traced work
     spans = program_spans(planes, runs=R, calls=N)  # GPU time per call of each of R runs of one program
-    per_call = call_spans_and_gaps(planes, calls=N)  # each call's kernel span and the GPU's wait after it
 
 `stream_timeline` answers what the sums cannot: whether the GPU waits between launches (the
 idle time from the first launch's start to the last one's end) and what the host's traced
@@ -29,7 +28,6 @@ DEVICE_PLANE_PREFIX = "/device:GPU"
 STREAM_LINE_PREFIX = "Stream"
 HOST_PLANE_PREFIX = "/host:CPU"
 PYTHON_EVENT_PREFIX = "$"  # the Python tracer's function events
-COPY_EVENT_PREFIXES = ("Memcpy", "Memset")  # CUPTI's names for copies and fills on a stream line
 
 
 def summarize_planes(planes, steps: int, top: int = 15) -> dict:
@@ -60,12 +58,10 @@ def _percentile(sorted_values: list, q: float):
     return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))] if sorted_values else None
 
 
-def _stream_events(planes, skip_prefixes: tuple[str, ...] = ()) -> list[tuple[int, int]]:
-    """(start ns, end ns) of every event on the GPU planes' stream lines, in start order, less
-    those whose names start with one of `skip_prefixes`."""
+def _stream_events(planes) -> list[tuple[int, int]]:
+    """(start ns, end ns) of every event on the GPU planes' stream lines, in start order."""
     return sorted((e.start_ns, e.start_ns + e.duration_ns) for plane in planes if plane.name.startswith(DEVICE_PLANE_PREFIX)
-                  for line in plane.lines if line.name.startswith(STREAM_LINE_PREFIX) for e in line.events
-                  if not (skip_prefixes and e.name.startswith(skip_prefixes)))
+                  for line in plane.lines if line.name.startswith(STREAM_LINE_PREFIX) for e in line.events)
 
 
 def _equal_runs(events: list, runs: int, what: str) -> list[list]:
@@ -112,17 +108,6 @@ def program_spans(planes, runs: int, calls: int) -> list[float]:
     between runs are left out, as CUDA events around a CUDA graph's replays leave them out."""
     chunks = _equal_runs(_stream_events(planes), runs, f"events (runs={runs})")
     return [(max(end for _, end in chunk) - chunk[0][0]) / calls / 1e3 for chunk in chunks]
-
-
-def call_spans_and_gaps(planes, calls: int) -> dict:
-    """Per call of one program traced `calls` times in a row: its kernels' span (first start to
-    last end) and the GPU's wait from that end to the next call's first kernel, in microseconds.
-    Copies are left out (a host array's upload runs ahead of the calls it feeds), so the kernels
-    in start order cut into `calls` runs of equal count."""
-    chunks = _equal_runs(_stream_events(planes, COPY_EVENT_PREFIXES), calls, f"kernels (calls={calls})")
-    ends = [max(end for _, end in chunk) for chunk in chunks]
-    return {"kernels_per_call": len(chunks[0]), "span_us": [(end - chunk[0][0]) / 1e3 for chunk, end in zip(chunks, ends)],
-            "gap_us": [(later[0][0] - end) / 1e3 for end, later in zip(ends, chunks[1:])]}
 
 
 def load_planes(trace_dir: str) -> list:

@@ -20,7 +20,6 @@
 #   startup   capture time of fresh processes, cold then warm cache -> e2e_startup.json
 #   engine_defaults Engine(model) with no config: what it picks, its capture and TTFT, in a fresh
 #             process with an empty compilation cache, then again with it filled -> engine_defaults_{cold,warm}.json
-#   engine_gap the engine's step against replays of it that each put back one engine habit -> engine_gap.json
 #   ncu       Nsight Compute counters of the Triton and Mosaic kernels on NCU_CASES -> ncu_decode.json, ncu_exports.tar.gz
 # FlashInfer needs its wheels (../shared/tools/fetch_peer_wheels.sh): in .whl, or, since the
 # FlashInfer wheel alone nearly fills a device call's 64 MiB, unzipped and packed as
@@ -77,9 +76,6 @@ for stage in "$@"; do
       for run in cold warm; do
         python3 -m benchmarks.engine_defaults --compilation-cache "$cache" --out "$OUT/engine_defaults_$run.json"
       done ;;
-    engine_gap)
-      XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 python3 -m benchmarks.engine_gap --shapes "${GAP_SHAPES:-1x2048,8x2048,32x512}" \
-        --out "$OUT/engine_gap.json" ${GAP_ARGS:-} ;;  # e.g. GAP_ARGS=--trace
     startup)
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 python3 -m benchmarks.e2e_decode --startup-only --out "$OUT/e2e_startup.json" ;;
     ncu)

@@ -6,7 +6,7 @@ from types import SimpleNamespace as NS
 import numpy as np
 import pytest
 
-from benchmarks.profile_summary import call_spans_and_gaps, program_spans, stream_timeline, summarize_planes
+from benchmarks.profile_summary import program_spans, stream_timeline, summarize_planes
 
 
 def _line(name, *events):
@@ -64,21 +64,6 @@ def test_program_spans_cut_the_trace_into_runs_of_one_program_and_leave_the_gaps
     assert program_spans(planes, runs=2, calls=2) == [pytest.approx(25.0), pytest.approx(20.0)]
     with pytest.raises(ValueError, match="runs=3"):  # 8 events are not 3 runs of one program
         program_spans(planes, runs=3, calls=2)
-
-
-def test_call_spans_and_gaps_cut_the_kernels_into_calls_and_leave_copies_out():
-    # three calls of two kernels: 0..30, 32..60 (PDL-like overlap of 2 us: 28 < 30 inside call 1)
-    # and 100..130; the host array uploads for later calls run ahead on their own stream
-    compute = _timed_line("Stream #13(Compute)", ("a", 0, 20_000), ("b", 20_000, 10_000), ("a", 32_000, 18_000), ("b", 48_000, 12_000),
-                          ("a", 100_000, 20_000), ("b", 120_000, 10_000))
-    copies = _timed_line("Stream #14(MemcpyH2D)", ("MemcpyH2D", 5_000, 1_000), ("MemcpyH2D", 6_000, 1_000), ("Memset", 40_000, 1_000))
-    planes = [NS(name="/device:GPU:0", lines=[compute, copies, _timed_line("XLA Ops", ("fusion.1", 0, 200_000))])]
-    got = call_spans_and_gaps(planes, calls=3)
-    assert got["kernels_per_call"] == 2
-    assert got["span_us"] == [pytest.approx(30.0), pytest.approx(28.0), pytest.approx(30.0)]
-    assert got["gap_us"] == [pytest.approx(2.0), pytest.approx(40.0)]
-    with pytest.raises(ValueError, match="calls=4"):
-        call_spans_and_gaps(planes, calls=4)
 
 
 def test_hopper_compile_reads_each_kernels_triton_ir_from_the_cuda_lowering():
@@ -601,27 +586,30 @@ def test_e2e_replay_rate_leaves_out_what_each_run_pays_once():
     def run(calls):
         time.sleep((once_ms + calls * per_call_ms) / 1e3)
 
-    rate = steady_per_call_ms(run, short=2, long=12)
+    rate = steady_per_call_ms(run, short=2, long=12, idle_s=0.0)
     assert 3.5 < rate < 7.0, rate  # one run's time over its 12 calls would read 10 ms
 
 
-def test_engine_gap_times_every_replay_variant_beside_the_engine(tmp_path):
-    """benchmarks.engine_gap on the tiny preset (CPU): per shape, the engine's own steps and every
-    replay variant's samples (three a round), and the pool's pages all free again afterwards (it
-    raises otherwise)."""
-    import json
+def test_e2e_replay_rate_starts_each_run_after_the_last_one_has_drained():
+    """A run can return while the device still works for it (here: 80 ms more). The next run then
+    waits for that first; unless the runs are idle-separated, the short run, timed right after the
+    long one, absorbs the long run's tail and the rate reads low."""
+    import time
 
-    from benchmarks.engine_gap import VARIANTS, main
+    from benchmarks.e2e_decode import steady_per_call_ms
 
-    out = tmp_path / "gap.json"
-    main(["--model", "tiny", "--shapes", "1x24,3x24", "--dtype", "float32", "--rounds", "2", "--out", str(out)])
-    rows = json.loads(out.read_text())["rows"]
-    assert [(r["batch"], r["context"]) for r in rows] == [(1, 24), (3, 24)]
-    for r in rows:
-        assert len(r["engine_step_ms_samples"]) == len(r["engine_poll_step_ms_samples"]) == 40 and r["engine_step_ms_median"] > 0
-        assert sorted(r["replay_ms_samples"]) == sorted(VARIANTS + ("numpy_tail",))
-        assert all(len(x) == 6 for x in r["replay_ms_samples"].values())
-        assert all(np.isfinite(ms) for ms in r["replay_ms_median"].values())  # a difference of two runs' times
+    per_call_ms, tail_ms, device_free_at = 5.0, 80.0, [0.0]
+
+    def run(calls):
+        time.sleep(max(0.0, device_free_at[0] - time.perf_counter()))  # the previous run's tail first
+        time.sleep(calls * per_call_ms / 1e3)
+        device_free_at[0] = time.perf_counter() + tail_ms / 1e3  # returns before the device is done
+
+    leaky = steady_per_call_ms(run, short=2, long=12, idle_s=0.0)
+    time.sleep(tail_ms / 1e3)
+    drained = steady_per_call_ms(run, short=2, long=12, idle_s=2 * tail_ms / 1e3)
+    assert leaky < 1.0, leaky  # (60 - (80 + 10)) / 10
+    assert 4.0 < drained < 6.5, drained
 
 
 def test_engine_defaults_streams_each_prompt_and_counts_the_weights_the_prefill_multiplies(tmp_path):
