@@ -25,7 +25,7 @@ engine's host work: the time of 12 calls less that of 2, over 10, each run start
 IDLE_BEFORE_RUN_S of idle and ended by reading its last call's tokens (`steady_per_call_ms`).
 Until the forty-eighth session the runs followed each other with no pause and ended on the
 donated buffers being ready, and the replay read 0.1 to 0.4 ms under the engine's step at every
-shape; on an H100, runs started from idle read the engine's step (benchmarks/README.md,
+shape; on an H100, runs started from idle read within about 0.1 ms of it (benchmarks/README.md,
 forty-eighth session). Each step's time in the runner's submit (pack and dispatch) and fetch
 (the wait for its tokens) is kept beside it.
 
