@@ -59,7 +59,7 @@ import time
 import numpy as np
 
 DATASHEET_BPS = 4.8e12
-IDLE_BEFORE_RUN_S = 1.0  # steady_per_call_ms: the pause before each timed run (the value measured)
+IDLE_BEFORE_RUN_S = 1.0  # steady_per_call_ms: the pause before each timed run (on an H100, 0.25 s and 1 s sufficed)
 
 
 def weight_bytes_read(model, batch: int) -> int:
@@ -221,9 +221,9 @@ def steady_per_call_ms(run, short: int, long: int, idle_s: float | None = None) 
     run(n) makes n calls and waits for them. Each run starts after `idle_s` (default
     IDLE_BEFORE_RUN_S) of idle, so that what each run pays once cancels: the first call's
     dispatch, which the device waits for with nothing queued, and the final sync. Without the
-    pause the runs leaked into each other: on an H100 (llama3-8b shape, B 1, T 2,048) the rate
-    read 5.30 to 5.37 ms against the engine's 5.6, and 5.61 to 5.66 with a 1-s pause
-    (benchmarks/README.md, forty-eighth session)."""
+    pause the runs leaked into each other: on an H100 (llama3-8b shape, B 1, T 2,048) six such
+    rates read 5.30 to 5.62 ms against the engine's 5.6, and four windows read 5.61 to 5.66 with
+    a 1-s pause (benchmarks/README.md, forty-eighth session)."""
     def timed(calls: int) -> float:
         time.sleep(IDLE_BEFORE_RUN_S if idle_s is None else idle_s)
         t = time.perf_counter()
