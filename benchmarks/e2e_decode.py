@@ -215,17 +215,17 @@ def replay_inputs(engine, seated):
     return runner, step, packed
 
 
-def steady_per_call_ms(run, short: int, long: int, idle_s: float | None = None) -> float:
+def steady_per_call_ms(run, short: int, long: int, idle_s: float = IDLE_BEFORE_RUN_S) -> float:
     """ms per call once calls follow each other: (time of run(long) - time of run(short)) / (long - short).
 
-    run(n) makes n calls and waits for them. Each run starts after `idle_s` (default
-    IDLE_BEFORE_RUN_S) of idle, so that what each run pays once cancels: the first call's
-    dispatch, which the device waits for with nothing queued, and the final sync. Without the
-    pause the runs leaked into each other: on an H100 (llama3-8b shape, B 1, T 2,048) six such
-    rates read 5.30 to 5.62 ms against the engine's 5.6, and four windows read 5.61 to 5.66 with
-    a 1-s pause (benchmarks/README.md, forty-eighth session)."""
+    run(n) makes n calls and waits for them. Each run starts after `idle_s` of idle, so that what
+    each run pays once cancels: the first call's dispatch, which the device waits for with nothing
+    queued, and the final sync. Without the pause the runs leaked into each other: on an H100
+    (llama3-8b shape, B 1, T 2,048) six such rates read 5.30 to 5.62 ms against the engine's 5.6,
+    and four windows read 5.61 to 5.66 with a 1-s pause (benchmarks/README.md, forty-eighth
+    session)."""
     def timed(calls: int) -> float:
-        time.sleep(IDLE_BEFORE_RUN_S if idle_s is None else idle_s)
+        time.sleep(idle_s)
         t = time.perf_counter()
         run(calls)
         return (time.perf_counter() - t) * 1e3
