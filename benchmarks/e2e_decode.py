@@ -156,14 +156,15 @@ def timed_steps(engine, batch: int, steps: int, fetch=None) -> dict:
     return {"step": times, "submit": parts["submit"][:-1], "fetch": parts["fetch"][:-1]}
 
 
-def measure(engine, batch: int, context: int, steps: int, warmup: int, rng, profile_steps: int = 0, top_p: float | None = None) -> dict:
+def measure(engine, batch: int, context: int, steps: int, warmup: int, rng, profile_steps: int = 0, top_p: float | None = None,
+            replay_idle_s: float = IDLE_BEFORE_RUN_S) -> dict:
     free_before = engine.allocator.num_free
     seated = seat_prefilled(engine, batch, context, warmup + steps + profile_steps + 4, rng, top_p)  # running after the last step and both drains
     for _ in range(warmup):
         engine.step()
     timed = timed_steps(engine, batch, steps)
     times = timed["step"]
-    replay = replay_step_ms(engine, seated)
+    replay = replay_step_ms(engine, seated, idle_s=replay_idle_s)
     profile = profile_engine_steps(engine, profile_steps) if profile_steps else None
     for req in seated:
         engine.abort(req.id)
@@ -180,9 +181,10 @@ def measure(engine, batch: int, context: int, steps: int, warmup: int, rng, prof
     return row
 
 
-def replay_step_ms(engine, seated, samples: int = 5, short: int = 2, long: int = 12) -> list[float]:
+def replay_step_ms(engine, seated, samples: int = 5, short: int = 2, long: int = 12, idle_s: float = IDLE_BEFORE_RUN_S) -> list[float]:
     """ms per call of the batch's compiled step replayed back to back (`steady_per_call_ms` of runs
-    of `short` and `long` calls, each ended by reading its last call's tokens to the host).
+    of `short` and `long` calls, each started after `idle_s` of idle and ended by reading its last
+    call's tokens to the host).
 
     The same packed batch each time (the next token's K/V slot is rewritten), so no host work
     runs between calls: the device-bound step time, which the engine's step is measured against.
@@ -197,7 +199,7 @@ def replay_step_ms(engine, seated, samples: int = 5, short: int = 2, long: int =
         np.asarray(sampled)
 
     run(short)  # warm-up
-    return [steady_per_call_ms(run, short, long) for _ in range(samples)]
+    return [steady_per_call_ms(run, short, long, idle_s) for _ in range(samples)]
 
 
 def replay_inputs(engine, seated):
@@ -350,6 +352,8 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--replay-idle-s", type=float, default=IDLE_BEFORE_RUN_S,
+                        help="idle before each timed replay run (0 where the replay measures nothing, as on CPU in the tests)")
     parser.add_argument("--pool-tokens", type=int, default=None, help="pool capacity in tokens (default: the largest batch x context that fits)")
     parser.add_argument("--top-p", type=float, default=None, help="nucleus sampling instead of greedy (adds the resample step)")
     parser.add_argument("--profile-steps", type=int, default=0, help="also trace this many steps per shape and sum GPU time by kernel")
@@ -418,7 +422,7 @@ def measure_all(args, batches: list[int], contexts: list[int]) -> dict:
     result = {"machine": {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "python": platform.python_version()},
               "source_commit": evidence.source_identity()["commit"], "model": args.model, "dtype": args.dtype, "pool_tokens": pool_tokens, "model_build_s": build_s,
               "capture_s": engine.capture_seconds, "compiled_memory": engine.runner.compiled_memory(), "steps": args.steps,
-              "warmup": args.warmup, "sampling": "greedy" if args.top_p is None else {"top_p": args.top_p},
+              "warmup": args.warmup, "replay_idle_s": args.replay_idle_s, "sampling": "greedy" if args.top_p is None else {"top_p": args.top_p},
               "prefer_backends": list(prefer),
               "step_xla_options": {bs: engine.runner.config.step_xla_options(bs) for bs in sorted(engine.capture_seconds)},
               "selected_backends": {bs: sorted({(s.key.operation, s.key.phase, s.backend) for s in sel}) for bs, sel in engine.runner.selections.items()},
@@ -431,7 +435,7 @@ def measure_all(args, batches: list[int], contexts: list[int]) -> dict:
                 rows.append({"batch": batch, "context": context, "skipped": f"{need} pages needed, the pool holds {engine.allocator.num_free}"})
                 print(f"B={batch:4d} T={context:5d}  skipped: {rows[-1]['skipped']}", flush=True)
                 continue
-            r = measure(engine, batch, context, args.steps, args.warmup, rng, args.profile_steps, args.top_p)
+            r = measure(engine, batch, context, args.steps, args.warmup, rng, args.profile_steps, args.top_p, args.replay_idle_s)
             wbytes, kvbytes = weight_bytes_read(model, batch), kv_bytes_read(model.config, batch, context, dbytes)
             roof_ms = (wbytes + kvbytes) / DATASHEET_BPS * 1e3
             r.update(weight_bytes_read=wbytes, kv_bytes_read=kvbytes, roofline_ms=roof_ms, roofline_fraction=roof_ms / r["step_ms_median"])

@@ -23,14 +23,15 @@ def test_readme_main_job_generates():
 
 
 def run_e2e_benchmark(tmp_path, *args) -> dict:
-    """The end-to-end benchmark script on the tiny preset (float32, CPU) with `args`; its JSON."""
+    """The end-to-end benchmark script on the tiny preset (float32, CPU) with `args`; its JSON. The
+    replay's runs start without the pause that settles a GPU: on CPU it would only add 10 s a shape."""
     import json
     import os
 
     out = tmp_path / "e2e.json"
     env = dict(os.environ, PYTHONPATH=os.getcwd())
     run = subprocess.run([sys.executable, "-m", "benchmarks.e2e_decode", "--model", "tiny", "--context", "24", "--dtype", "float32",
-                          "--out", str(out), *args], capture_output=True, text=True, timeout=300, env=env)
+                          "--replay-idle-s", "0", "--out", str(out), *args], capture_output=True, text=True, timeout=300, env=env)
     assert run.returncode == 0, run.stderr[-2000:]
     return json.loads(out.read_text())
 
@@ -41,7 +42,7 @@ def test_e2e_benchmark_runs_on_a_tiny_model(tmp_path):
     rows = result["rows"]
     assert [(r["batch"], r["context"]) for r in rows] == [(1, 24), (3, 24)]
     assert all(len(r["step_ms_samples"]) == 4 and r["tokens_per_s"] > 0 and 0 < r["roofline_fraction"] for r in rows)
-    assert all(len(r["replay_ms_samples"]) == 5 and r["replay_ms_median"] > 0 for r in rows)
+    assert all(len(r["replay_ms_samples"]) == 5 and r["replay_ms_median"] > 0 for r in rows) and result["replay_idle_s"] == 0
     # One traced engine step dispatches two decode steps (the engine keeps one in flight).
     assert all(r["profile"]["steps"] == 2 and r["profile"]["wall_ms_per_step_traced"] > 0 for r in rows)
     # The backends each bucket's step selected (on CPU: the XLA reference for decode attention).

@@ -4,8 +4,9 @@ Same shapes as benchmarks.e2e_decode: `batch` prompts of `context` random tokens
 `steps` new tokens, random weights with the preset's shapes (models.llama.PRESETS), bf16.
 With `cache_implementation="static"` on a GPU, `generate` compiles the decoding forward itself
 (torch.compile, mode "reduce-overhead": CUDA graphs); the prefill runs uncompiled. Each shape
-compiles once in a warm-up generate; then decode tokens/s = batch * steps / (min of 3 generates
-of steps + 1 tokens - min of 3 generates of 1 token), each synchronized; raw times are kept.
+compiles once in a warm-up generate; then decode tokens/s = batch * steps / (min of `--repeats`
+generates of steps + 1 tokens - min of as many generates of 1 token), each synchronized; raw
+times are kept, in the order they ran.
 
 Shapes run in the order given until `--deadline-s` has passed; later shapes are recorded as
 not run. A shape whose static cache does not fit is recorded with its error.
@@ -48,6 +49,7 @@ def main():
     p.add_argument("--batch", default="1,8,32,64,128")
     p.add_argument("--context", default="2048,512,8192")
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--repeats", type=int, default=3, help="timed generates of each length per shape")
     p.add_argument("--deadline-s", type=float, default=float("inf"))
     p.add_argument("--out", required=True)
     a = p.parse_args()
@@ -58,7 +60,7 @@ def main():
     model = transformers.LlamaForCausalLM(hf_config(a.model)).to(torch.bfloat16).cuda().eval()
     rows = []
     meta = {"transformers": transformers.__version__, "torch": torch.__version__, "device": torch.cuda.get_device_name(),
-            "compile": "generate's own (static cache)", "steps": a.steps}
+            "compile": "generate's own (static cache)", "steps": a.steps, "repeats": a.repeats}
     for context in (int(c) for c in a.context.split(",")):
         for batch in (int(b) for b in a.batch.split(",")):
             row = {"batch": batch, "context": context}
@@ -70,8 +72,8 @@ def main():
                     t = time.perf_counter()
                     timed_generate(model, ids, a.steps + 1)  # compiles this shape
                     row["warmup_s"] = time.perf_counter() - t
-                    prefills = [timed_generate(model, ids, 1) for _ in range(3)]
-                    totals = [timed_generate(model, ids, a.steps + 1) for _ in range(3)]
+                    prefills = [timed_generate(model, ids, 1) for _ in range(a.repeats)]
+                    totals = [timed_generate(model, ids, a.steps + 1) for _ in range(a.repeats)]
                     decode = min(totals) - min(prefills)
                     row.update(prefill_s_samples=prefills, total_s_samples=totals, step_ms=decode / a.steps * 1e3,
                                tokens_per_s=batch * a.steps / decode, compiled=hasattr(model, "_compiled_call"))
