@@ -265,7 +265,10 @@ def attach_peer_ratios(rows: list[dict], peer: dict) -> None:
     and, from the peer's raw samples, its step as each timed generate alone puts it,
     (that generate - the fastest prefill) / steps, with our speedup over each of those: the
     peer's generates can differ by more than the margin a ratio is read against (at B 1,
-    T 2,048 its 31-token calls took 309 to 344 ms in the forty-seventh session)."""
+    T 2,048 its 31-token calls took 309 to 344 ms in the forty-seventh session). Where the peer
+    also stamped each of its decode steps (hf_generate's `step_ms_median`, from the fiftieth
+    session), speedup_vs_transformers_median_step sets the two sides' median steps side by side:
+    the same statistic of the same per-step timing."""
     by_shape = {(r["batch"], r["context"]): r for r in peer["rows"] if "tokens_per_s" in r}
     for r in rows:
         peer_row = by_shape.get((r["batch"], r["context"]))
@@ -276,6 +279,9 @@ def attach_peer_ratios(rows: list[dict], peer: dict) -> None:
         per_call_ms = sorted((total - prefill_s) / peer["steps"] * 1e3 for total in peer_row["total_s_samples"])
         r["transformers_step_ms_per_generate"] = per_call_ms
         r["speedup_vs_transformers_per_generate"] = [ms / r["step_ms_median"] for ms in per_call_ms]
+        if "step_ms_median" in peer_row:
+            r["transformers_step_ms_median"] = peer_row["step_ms_median"]
+            r["speedup_vs_transformers_median_step"] = peer_row["step_ms_median"] / r["step_ms_median"]
 
 
 # Device memory left for compiled steps' temporaries (and autotuning) beside the weights and the pool.

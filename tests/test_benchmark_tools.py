@@ -453,8 +453,41 @@ def test_e2e_peer_ratio_uses_the_peers_fastest_generate_and_keeps_each_generates
     assert b1["speedup_vs_transformers"] == pytest.approx(2.0)
     assert b1["transformers_step_ms_per_generate"] == pytest.approx([8.0, 9.2, 10.0])
     assert b1["speedup_vs_transformers_per_generate"] == pytest.approx([2.0, 2.3, 2.5])
+    assert "speedup_vs_transformers_median_step" not in b1  # this peer did not stamp its steps
     for row in (b8, b64):
         assert not any(key.startswith(("speedup", "transformers")) for key in row)
+
+
+def test_e2e_peer_median_step_ratio_sets_the_two_sides_median_steps_side_by_side():
+    from benchmarks.e2e_decode import attach_peer_ratios
+
+    ours = [{"batch": 1, "context": 512, "step_ms_median": 4.0, "tokens_per_s": 250.0}]
+    peer = {"steps": 3, "rows": [{"batch": 1, "context": 512, "prefill_s_samples": [0.070], "total_s_samples": [0.094],
+                                  "step_ms": 8.0, "tokens_per_s": 125.0,
+                                  "step_ms_samples": [[7.0, 9.0, 11.0]], "step_ms_median": 9.0}]}
+    attach_peer_ratios(ours, peer)
+    assert ours[0]["transformers_step_ms_median"] == 9.0
+    assert ours[0]["speedup_vs_transformers_median_step"] == pytest.approx(2.25)
+    assert ours[0]["speedup_vs_transformers"] == pytest.approx(2.0)
+
+
+def test_peer_token_clock_times_each_decode_step_of_a_generate():
+    """benchmarks.peers.hf_generate: a generate of n tokens streams the prompt and then n tokens to
+    the clock, so it gives n - 1 decode steps, which fit inside the generate's own time."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from benchmarks.peers.hf_generate import TokenClock, timed_generate
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    model = transformers.LlamaForCausalLM(config).eval()
+    clock = TokenClock()
+    total_s = timed_generate(model, torch.randint(0, 64, (2, 5)), 6, clock)
+    steps_ms = clock.decode_step_ms()
+    assert len(clock.stamps) == 1 + 6 and len(steps_ms) == 5
+    assert all(ms > 0 for ms in steps_ms)
+    assert sum(steps_ms) < total_s * 1e3
 
 
 def test_e2e_pool_noise_takes_each_layers_pages_in_place():

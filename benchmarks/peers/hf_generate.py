@@ -8,6 +8,13 @@ compiles once in a warm-up generate; then decode tokens/s = batch * steps / (min
 generates of steps + 1 tokens - min of as many generates of 1 token), each synchronized; raw
 times are kept, in the order they ran.
 
+The steps + 1 token generates also stream their tokens to a `TokenClock`, which stamps the host's
+clock as each token reaches the host. `generate` already waits for every step's tokens on the host
+(its stop check reads them), so the stamps add one small device-to-host copy a step and no wait.
+The gaps between the stamps after the first token are the decode steps one by one, timed as
+benchmarks.e2e_decode times ours (each step ends on its tokens on the host): `step_ms_samples`
+per generate and their median over all generates, `step_ms_median`.
+
 Shapes run in the order given until `--deadline-s` has passed; later shapes are recorded as
 not run. A shape whose static cache does not fit is recorded with its error.
 """
@@ -16,8 +23,10 @@ import argparse
 import json
 import time
 
+import numpy as np
 import torch
 import transformers
+from transformers.generation.streamers import BaseStreamer
 
 from models.llama import PRESETS
 
@@ -34,12 +43,30 @@ def hf_config(preset: str) -> "transformers.LlamaConfig":
                                     max_position_embeddings=c.max_position_embeddings, tie_word_embeddings=c.tie_word_embeddings)
 
 
-def timed_generate(model, ids, new_tokens: int) -> float:
+class TokenClock(BaseStreamer):
+    """Stamps the host's clock at each `put`: once for the prompt, then once per new token."""
+
+    def __init__(self):
+        self.stamps: list[float] = []
+
+    def put(self, value):
+        self.stamps.append(time.perf_counter())
+
+    def end(self):
+        pass
+
+    def decode_step_ms(self) -> list[float]:
+        """The gaps between the tokens after the first (which the prefill made), ms."""
+        return [(b - a) * 1e3 for a, b in zip(self.stamps[1:], self.stamps[2:])]
+
+
+def timed_generate(model, ids, new_tokens: int, streamer: BaseStreamer | None = None) -> float:
     kw = dict(do_sample=False, cache_implementation="static", pad_token_id=0, max_new_tokens=new_tokens, min_new_tokens=new_tokens)
-    torch.cuda.synchronize()
+    sync = torch.cuda.synchronize if ids.is_cuda else (lambda: None)
+    sync()
     t = time.perf_counter()
-    model.generate(ids, **kw)
-    torch.cuda.synchronize()
+    model.generate(ids, streamer=streamer, **kw)
+    sync()
     return time.perf_counter() - t
 
 
@@ -73,10 +100,13 @@ def main():
                     timed_generate(model, ids, a.steps + 1)  # compiles this shape
                     row["warmup_s"] = time.perf_counter() - t
                     prefills = [timed_generate(model, ids, 1) for _ in range(a.repeats)]
-                    totals = [timed_generate(model, ids, a.steps + 1) for _ in range(a.repeats)]
+                    clocks = [TokenClock() for _ in range(a.repeats)]
+                    totals = [timed_generate(model, ids, a.steps + 1, clock) for clock in clocks]
                     decode = min(totals) - min(prefills)
+                    steps_ms = [clock.decode_step_ms() for clock in clocks]
                     row.update(prefill_s_samples=prefills, total_s_samples=totals, step_ms=decode / a.steps * 1e3,
-                               tokens_per_s=batch * a.steps / decode, compiled=hasattr(model, "_compiled_call"))
+                               tokens_per_s=batch * a.steps / decode, compiled=hasattr(model, "_compiled_call"),
+                               step_ms_samples=steps_ms, step_ms_median=float(np.median(np.concatenate(steps_ms))))
                 except torch.OutOfMemoryError as exc:
                     row["error"] = repr(exc)[:300]
                 del ids
