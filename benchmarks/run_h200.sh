@@ -20,6 +20,8 @@
 #   startup   capture time of fresh processes, cold then warm cache -> e2e_startup.json
 #   engine_defaults Engine(model) with no config: what it picks, its capture and TTFT, in a fresh
 #             process with an empty compilation cache, then again with it filled -> engine_defaults_{cold,warm}.json
+#   l2_prefetch whether the B 1 o projection's weights read faster from L2, and whether a prefetch
+#             beside the small kernels before it gets them there -> l2_prefetch.json
 #   ncu       Nsight Compute counters of the Triton and Mosaic kernels on NCU_CASES -> ncu_decode.json, ncu_exports.tar.gz
 # FlashInfer needs its wheels (../shared/tools/fetch_peer_wheels.sh): in .whl, or, since the
 # FlashInfer wheel alone nearly fills a device call's 64 MiB, unzipped and packed as
@@ -78,6 +80,8 @@ for stage in "$@"; do
       done ;;
     startup)
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 python3 -m benchmarks.e2e_decode --startup-only --out "$OUT/e2e_startup.json" ;;
+    l2_prefetch)
+      python3 -m benchmarks.l2_prefetch --out "$OUT/l2_prefetch.json" ;;
     ncu)
       mkdir -p "$OUT/ncu"
       export NCU=${NCU:-$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)}

@@ -672,3 +672,51 @@ def test_engine_defaults_streams_each_prompt_and_counts_the_weights_the_prefill_
     head_on_last_token = 2 * c.hidden_size * c.vocab_size
     attention_one_token = 2 * 2 * c.num_layers * c.num_heads * c.head_dim  # one (query, key) pair a layer
     assert prefill_flops(c, 1) == 2 * matrices + attention_one_token + head_on_last_token
+
+
+def test_l2_prefetch_kernel_lowers_to_tma_prefetches_of_the_rows_asked_for_and_runs_where_asked():
+    """benchmarks.l2_prefetch: the prefetch kernel lowers for CUDA to the bulk tensor prefetch into
+    L2, once per layer of the `beside` program (placed after the flushing matmul, before the o
+    matmul that adds its zeros) and not at all without a prefetch; rows that TMA boxes do not tile
+    are refused before any lowering."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks import l2_prefetch as probe
+
+    S = jax.ShapeDtypeStruct
+    x = S((1, probe.HIDDEN), jnp.bfloat16)
+    flush_ws = [S((probe.HIDDEN, probe.FLUSH_N), jnp.bfloat16)] * 2
+    o_ws = [S((probe.HIDDEN, probe.HIDDEN), jnp.bfloat16)] * 2
+
+    def lowered(prefetch):
+        fn = functools.partial(probe.layers, prefetch=prefetch)
+        return jax.jit(fn).trace(x, flush_ws, o_ws).lower(lowering_platforms=("cuda",)).as_text()
+
+    for prefetch in probe.PREFETCH_ROWS:
+        text = lowered(prefetch)
+        assert text.count("stablehlo.custom_call @mosaic_gpu") == len(o_ws), prefetch
+        assert "cp.async.bulk.prefetch.tensor.2d.L2.global" in text
+    assert "mosaic_gpu" not in lowered(None)
+    with pytest.raises(ValueError, match="rows=100"):
+        probe.prefetch_rows_to_l2(jnp.zeros((512, 512), jnp.bfloat16), jnp.zeros((8,), jnp.bfloat16), rows=100)
+
+
+def test_l2_prefetch_hot_and_cold_chains_compute_the_same_thing_on_other_weights():
+    """benchmarks.l2_prefetch: `hot` runs the cold chain with every layer's weights the same matrix,
+    so on one matrix repeated the two give the same output; narrow matrices feed the next layer a
+    tiled [1, HIDDEN] input."""
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks import l2_prefetch as probe
+
+    x = jax.random.normal(jax.random.key(0), (1, probe.HIDDEN), jnp.float32)
+    w = jax.random.normal(jax.random.key(1), (probe.HIDDEN, probe.HIDDEN // 4), jnp.float32) * probe.HIDDEN**-0.5
+    hot = probe.chain_hot(x, w)
+    assert hot.shape == (1, probe.HIDDEN)
+    np.testing.assert_array_equal(np.asarray(probe.chain_cold(x, [w] * probe.LAYERS)), np.asarray(hot))
+    y = x @ w
+    np.testing.assert_array_equal(np.asarray(probe._next_input(y)), np.asarray(jnp.tile(y, (1, 4)) * 0.5))
