@@ -46,14 +46,18 @@ SMALL_KERNELS = 6  # between the flushing matmul and the o matmul, as a B 1 laye
 
 
 def prefetch_rows_to_l2(w: jax.Array, after: jax.Array, rows: int) -> jax.Array:
-    """Asks the TMA engine to bring w[:rows] (w: [K, N], both multiples of TMA_TILE) into L2 and
-    returns f32[128] zeros, written once the prefetches are issued (not completed). `after` is
-    only a data dependence: the kernel runs after whatever computes it."""
+    """Asks the TMA engine to bring w[:rows] (w: [K, N]; rows and N multiples of TMA_TILE, their
+    tiles a multiple of PREFETCH_PROGRAMS) into L2 and returns f32[128] zeros, written once the
+    prefetches are issued (not completed). `after` is only a data dependence: the kernel runs
+    after whatever computes it."""
     K, N = w.shape
     if rows % TMA_TILE or N % TMA_TILE or rows > K:
         raise ValueError(f"rows={rows} and w.shape={w.shape}: rows <= K and both rows and N multiples of {TMA_TILE}")
     cols = N // TMA_TILE
-    per_program = (rows // TMA_TILE) * cols // PREFETCH_PROGRAMS
+    tiles = (rows // TMA_TILE) * cols
+    if tiles % PREFETCH_PROGRAMS:
+        raise ValueError(f"rows={rows} and w.shape={w.shape}: {tiles} tiles do not split over {PREFETCH_PROGRAMS} programs")
+    per_program = tiles // PREFETCH_PROGRAMS
 
     def body(w_ref, after_ref, out_ref, zeros_smem):
         program = jax.lax.axis_index("p")

@@ -677,8 +677,8 @@ def test_engine_defaults_streams_each_prompt_and_counts_the_weights_the_prefill_
 def test_l2_prefetch_kernel_lowers_to_tma_prefetches_of_the_rows_asked_for_and_runs_where_asked():
     """benchmarks.l2_prefetch: the prefetch kernel lowers for CUDA to the bulk tensor prefetch into
     L2, once per layer of the `beside` program (placed after the flushing matmul, before the o
-    matmul that adds its zeros) and not at all without a prefetch; rows that TMA boxes do not tile
-    are refused before any lowering."""
+    matmul that adds its zeros) and not at all without a prefetch; rows that TMA boxes do not tile,
+    or whose tiles do not split evenly over the programs, are refused before any lowering."""
     import functools
 
     import jax
@@ -702,6 +702,8 @@ def test_l2_prefetch_kernel_lowers_to_tma_prefetches_of_the_rows_asked_for_and_r
     assert "mosaic_gpu" not in lowered(None)
     with pytest.raises(ValueError, match="rows=100"):
         probe.prefetch_rows_to_l2(jnp.zeros((512, 512), jnp.bfloat16), jnp.zeros((8,), jnp.bfloat16), rows=100)
+    with pytest.raises(ValueError, match="4 tiles do not split"):
+        probe.prefetch_rows_to_l2(jnp.zeros((512, 512), jnp.bfloat16), jnp.zeros((8,), jnp.bfloat16), rows=512)
 
 
 def test_l2_prefetch_hot_and_cold_chains_compute_the_same_thing_on_other_weights():
