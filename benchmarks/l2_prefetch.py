@@ -10,7 +10,7 @@ o weights with a kernel placed in series before the attention: the o matmul was 
 the layer 5 to 6 us slower. It left two questions, one part each here:
 
 - `hot`: 32 chained M 1 matmuls on one weight matrix (in L2 after the first) against 32 on
-  distinct ones (`cold`), for the o projection's shape and for its first half and quarter of
+  copies of it in buffers of their own (`cold`), for the o projection's shape and for its first half and quarter of
   columns (16.8 and 8.4 MB). If hot is not much faster than cold, no prefetch can help.
 - `beside`: 32 layers of [a 4,096 x 14,336 matmul (117 MB: what was in L2 leaves) -> six
   dependent small kernels -> the o matmul], with the o weights' first rows (all, half or a
@@ -89,9 +89,8 @@ def chain_cold(x, ws):
 
 
 def chain_hot(x, w):
-    for _ in range(LAYERS):
-        x = _next_input(x @ w)
-    return x
+    """The cold chain with every layer's weights one matrix: after the first, read from L2."""
+    return chain_cold(x, [w] * LAYERS)
 
 
 def _small_kernel(s):
@@ -132,11 +131,12 @@ def main(argv=None):
     args = parser.parse_args(argv)
     options = runner.default_step_xla_options(1)
     key = jax.random.key(0)
-    result = {"machine": {"device": jax.devices()[0].device_kind, "jax": jax.__version__}, "step_xla_options": options,
-              "source": evidence.source_identity(), "rows": []}
+    result = {"machine": evidence.environment(), "step_xla_options": options, "source": evidence.source_identity(),
+              "rows": []}
 
-    def weights(shape, n):
-        return [jax.random.normal(jax.random.fold_in(key, shape[1] * 1000 + i), shape, jnp.bfloat16) * 0.02 for i in range(n)]
+    def weights(shape):  # LAYERS bit-identical matrices in buffers of their own: each layer's read misses L2
+        return evidence.distinct_copies(jax.random.normal(jax.random.fold_in(key, shape[1]), shape, jnp.bfloat16) * 0.02,
+                                        LAYERS)
 
     def record(name, fn, fn_args):
         try:
@@ -151,14 +151,14 @@ def main(argv=None):
     x = jax.random.normal(key, (1, HIDDEN), jnp.bfloat16)
     parts = args.parts.split(",")
     if "beside" in parts:
-        flush_ws, o_ws = weights((HIDDEN, FLUSH_N), LAYERS), weights((HIDDEN, HIDDEN), LAYERS)
+        flush_ws, o_ws = weights((HIDDEN, FLUSH_N)), weights((HIDDEN, HIDDEN))
         for prefetch in (None, *PREFETCH_ROWS):
             record(f"beside: prefetch {prefetch}", functools.partial(layers, prefetch=prefetch), (x, flush_ws, o_ws))
         del flush_ws, o_ws
     if "hot" in parts:
         for label, shape in (("o", (HIDDEN, HIDDEN)), ("o, half the columns", (HIDDEN, HIDDEN // 2)),
                              ("o, a quarter of the columns", (HIDDEN, HIDDEN // 4))):
-            ws = weights(shape, LAYERS)
+            ws = weights(shape)
             record(f"hot/cold: {label}, cold", chain_cold, (x, ws))
             record(f"hot/cold: {label}, hot", chain_hot, (x, ws[0]))
             del ws
