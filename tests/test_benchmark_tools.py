@@ -706,19 +706,21 @@ def test_l2_prefetch_kernel_lowers_to_tma_prefetches_of_the_rows_asked_for_and_r
         probe.prefetch_rows_to_l2(jnp.zeros((512, 512), jnp.bfloat16), jnp.zeros((8,), jnp.bfloat16), rows=512)
 
 
-def test_l2_prefetch_hot_and_cold_chains_compute_the_same_thing_on_other_weights():
-    """benchmarks.l2_prefetch: `hot` runs the cold chain with every layer's weights the same matrix,
-    so on one matrix repeated the two give the same output; narrow matrices feed the next layer a
-    tiled [1, HIDDEN] input."""
+def test_l2_prefetch_chains_multiply_layer_by_layer_and_hot_reads_one_matrix():
+    """benchmarks.l2_prefetch: the cold chain is x @ w_1 / 2 @ w_2 / 2 ... over its matrices, and
+    the hot chain is that chain over one matrix passed once (one buffer, so L2 can keep it)."""
     import jax
     import jax.numpy as jnp
 
     from benchmarks import l2_prefetch as probe
 
     x = jax.random.normal(jax.random.key(0), (1, probe.HIDDEN), jnp.float32)
-    w = jax.random.normal(jax.random.key(1), (probe.HIDDEN, probe.HIDDEN // 4), jnp.float32) * probe.HIDDEN**-0.5
-    hot = probe.chain_hot(x, w)
-    assert hot.shape == (1, probe.HIDDEN)
-    np.testing.assert_array_equal(np.asarray(probe.chain_cold(x, [w] * probe.LAYERS)), np.asarray(hot))
-    y = x @ w
-    np.testing.assert_array_equal(np.asarray(probe._next_input(y)), np.asarray(jnp.tile(y, (1, 4)) * 0.5))
+    ws = [jax.random.normal(jax.random.key(k), (probe.HIDDEN, probe.HIDDEN), jnp.float32) * probe.HIDDEN**-0.5
+          for k in (1, 2, 3)]
+    expected = np.asarray(x, np.float64)
+    for w in ws:
+        expected = expected @ np.asarray(w, np.float64) * 0.5
+    np.testing.assert_allclose(np.asarray(probe.chain_cold(x, ws)), expected, rtol=1e-4, atol=1e-6 * np.abs(expected).max())
+    hot_program = jax.jit(probe.chain_hot).lower(x, ws[0]).as_text()
+    dots = [line for line in hot_program.splitlines() if "stablehlo.dot_general" in line]
+    assert len(dots) == probe.LAYERS and all("%arg1" in line for line in dots)  # every layer reads the one argument
