@@ -22,6 +22,10 @@ the layer 5 to 6 us slower. It left two questions, one part each here:
 Each program is timed by the host's clock (`evidence.timed_samples`: back-to-back programs, then
 one sync) as microseconds per layer, and traced for the GPU time per layer by kernel. A trace
 runs the program op by op, so only the host clock sees whether the prefetch overlapped.
+
+Answered on an H100 (fifty-second session, benchmarks/README.md): hot is twice as fast as cold, but
+the prefetch slows the kernels beside it about as much as it speeds the o matmul, and end to end it
+was level at B 1 and 1% slower at B 8. Not adopted; kept to ask the same of another card.
 """
 
 import argparse
