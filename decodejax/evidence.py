@@ -169,7 +169,8 @@ def chained_program(fn, calls: int):
     as a model's layers do, and the host dispatches the program once. The distinct x_i keep the
     compiler from merging the calls, the barriers (under XLA's default scheduling, below) from
     running them side by side or hoisting them, and nothing is copied inside the program (slicing
-    one stacked array cost a copy kernel per call on the H200). Call it as program([x_1, ..., x_calls], *rest): `distinct_copies`.
+    one stacked array cost a copy kernel per call on the H200). Call it as
+    program([x_1, ..., x_calls], *rest): `distinct_copies`.
 
     Compile it with XLA's default command-buffer scheduling. The barrier is no command, so under
     the runner's CONCURRENT scheduling (`runner.CONCURRENT_COMMAND_BUFFERS`) no call reads the one
