@@ -425,7 +425,8 @@ def measure_all(args, batches: list[int], contexts: list[int]) -> dict:
     dbytes = jnp.dtype(args.dtype).itemsize
     rng = np.random.default_rng(0)
     rows = []
-    result = {"machine": {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "python": platform.python_version()},
+    result = {"machine": {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "python": platform.python_version(),
+                          "host_cpu": evidence.host_cpu()},
               "source_commit": evidence.source_identity()["commit"], "model": args.model, "dtype": args.dtype, "pool_tokens": pool_tokens, "model_build_s": build_s,
               "capture_s": engine.capture_seconds, "compiled_memory": engine.runner.compiled_memory(), "steps": args.steps,
               "warmup": args.warmup, "replay_idle_s": args.replay_idle_s, "sampling": "greedy" if args.top_p is None else {"top_p": args.top_p},

@@ -17,6 +17,7 @@
 #             B 64 at T 8,192 needs E2E_POOL_TOKENS=530000, e.g. E2E_CONTEXTS=8192 E2E_BATCHES=64)
 #   e2e_top_p the same with nucleus sampling (the steps add the sorting resample) -> e2e_decode_top_p.json
 #   peer      transformers generate on the e2e shapes (own process) -> hf.json
+#             (PEER_DEADLINE_S: shapes start until then; PEER_ARGS=--profile adds the GPU kernel time a step)
 #   startup   capture time of fresh processes, cold then warm cache -> e2e_startup.json
 #   engine_defaults Engine(model) with no config: what it picks, its capture and TTFT, in a fresh
 #             process with an empty compilation cache, then again with it filled -> engine_defaults_{cold,warm}.json
@@ -69,7 +70,7 @@ for stage in "$@"; do
         --context 2048 --top-p 0.9 --profile-steps 3 --out "$OUT/e2e_decode_top_p.json" ;;
     peer)  # 30 decode steps: with 10, the three timed calls at B 1, T 2,048 put its step 2.5 ms apart (forty-sixth session)
       python3 -m benchmarks.peers.hf_generate --context "$E2E_CONTEXTS" --batch "$E2E_BATCHES" --steps 30 --deadline-s "${PEER_DEADLINE_S:-400}" \
-        --out "$OUT/hf.json"
+        --out "$OUT/hf.json" ${PEER_ARGS:-}  # e.g. PEER_ARGS=--profile
       if [ -f "$OUT/e2e_decode.json" ]; then  # the comparison, into the e2e result
         python3 -m benchmarks.e2e_decode --from-json "$OUT/e2e_decode.json" --peer-json "$OUT/hf.json" --out "$OUT/e2e_decode.json"
       fi ;;

@@ -59,6 +59,16 @@ def _sha256(path) -> str:
     return h.hexdigest()
 
 
+def host_cpu() -> str | None:
+    """The host processor's model name (Linux), for timings that depend on the host's speed: a
+    peer whose decode step waits on Python between CUDA graph replays runs faster on a faster CPU."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            return next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), None)
+    except OSError:
+        return None
+
+
 def environment() -> dict:
     device = jax.devices()[0]
     versions = {}
@@ -75,7 +85,7 @@ def environment() -> dict:
             driver = None
     return {"python": platform.python_version(), "platform": platform.platform(), "packages": versions,
             "device_kind": device.device_kind, "device_platform": device.platform,
-            "compute_capability": getattr(device, "compute_capability", None), "driver": driver}
+            "compute_capability": getattr(device, "compute_capability", None), "driver": driver, "host_cpu": host_cpu()}
 
 
 def loaded_artifacts() -> list[dict]:

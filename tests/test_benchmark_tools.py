@@ -490,6 +490,31 @@ def test_peer_token_clock_times_each_decode_step_of_a_generate():
     assert sum(steps_ms) < total_s * 1e3
 
 
+def test_peer_gpu_kernel_time_counts_only_the_traces_kernels():
+    """benchmarks.peers.hf_generate: the GPU's share of a peer step sums the complete "kernel" events
+    of a Chrome trace (not the runtime calls that launched them, copies or instant markers); on a
+    CPU-only build a profiled generate records no kernels, so the step's GPU time reads 0."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from benchmarks.peers.hf_generate import gpu_kernel_time_per_step, kernel_time_in_trace
+
+    events = [{"cat": "kernel", "ph": "X", "name": "gemm", "dur": 1500.0},
+              {"cat": "kernel", "ph": "X", "name": "rmsnorm", "dur": 250.0},
+              {"cat": "cuda_runtime", "ph": "X", "name": "cudaGraphLaunch", "dur": 9000.0},
+              {"cat": "gpu_memcpy", "ph": "X", "name": "Memcpy DtoH", "dur": 40.0},
+              {"cat": "kernel", "ph": "i", "name": "marker"},
+              {"ph": "M", "name": "process_name"}]
+    assert kernel_time_in_trace(events) == (pytest.approx(1.75), 2)
+    assert kernel_time_in_trace([]) == (0.0, 0)
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    row = gpu_kernel_time_per_step(transformers.LlamaForCausalLM(config).eval(), torch.randint(0, 64, (2, 5)), 4)
+    if not torch.cuda.is_available():
+        assert row == {"gpu_kernel_ms_per_step": 0.0, "kernels_per_step": 0.0, "profiled_kernel_ms": {"generate": 0.0, "prefill_only": 0.0}}
+
+
 def test_e2e_pool_noise_takes_each_layers_pages_in_place():
     """benchmarks.e2e_decode.fill_pool_with_noise donates every layer's old pages (jit drops an
     unused argument, donated or not, and a pool kept alive beside its noise needs twice its memory:

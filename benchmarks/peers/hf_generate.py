@@ -15,12 +15,19 @@ The gaps between the stamps after the first token are the decode steps one by on
 benchmarks.e2e_decode times ours (each step ends on its tokens on the host): `step_ms_samples`
 per generate and their median over all generates, `step_ms_median`.
 
+With `--profile`, one more generate of each length runs under torch.profiler, and the kernels in
+its trace give the GPU's share of the decode step (`gpu_kernel_ms_per_step`: the steps + 1 token
+generate's kernel time less the 1-token generate's, over `steps`). A step far longer on the host's
+clock than on the GPU waits on the host, and then a faster host CPU makes the peer faster.
+
 Shapes run in the order given until `--deadline-s` has passed; later shapes are recorded as
 not run. A shape whose static cache does not fit is recorded with its error.
 """
 
 import argparse
 import json
+import os
+import tempfile
 import time
 
 import numpy as np
@@ -28,6 +35,7 @@ import torch
 import transformers
 from transformers.generation.streamers import BaseStreamer
 
+from decodejax.evidence import host_cpu
 from models.llama import PRESETS
 
 
@@ -70,6 +78,31 @@ def timed_generate(model, ids, new_tokens: int, streamer: BaseStreamer | None = 
     return time.perf_counter() - t
 
 
+def kernel_time_in_trace(trace_events: list[dict]) -> tuple[float, int]:
+    """(ms, count) of the GPU kernels in a Chrome trace's events (category "kernel", `dur` in us)."""
+    kernels = [e for e in trace_events if e.get("cat") == "kernel" and e.get("ph") == "X"]
+    return sum(e["dur"] for e in kernels) / 1e3, len(kernels)
+
+
+def profiled_kernel_time(model, ids, new_tokens: int) -> tuple[float, int]:
+    """(ms, count) of GPU kernels in one generate of `new_tokens` tokens under torch.profiler (every
+    activity this build supports: on a CPU-only build no kernels, so (0.0, 0))."""
+    with torch.profiler.profile(activities=torch.profiler.supported_activities()) as prof:
+        timed_generate(model, ids, new_tokens)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            return kernel_time_in_trace(json.load(f)["traceEvents"])
+
+
+def gpu_kernel_time_per_step(model, ids, steps: int) -> dict:
+    full_ms, full_count = profiled_kernel_time(model, ids, steps + 1)
+    prefill_ms, prefill_count = profiled_kernel_time(model, ids, 1)
+    return {"gpu_kernel_ms_per_step": (full_ms - prefill_ms) / steps, "kernels_per_step": (full_count - prefill_count) / steps,
+            "profiled_kernel_ms": {"generate": full_ms, "prefill_only": prefill_ms}}
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="llama3-8b")
@@ -78,6 +111,7 @@ def main():
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--repeats", type=int, default=3, help="timed generates of each length per shape")
     p.add_argument("--deadline-s", type=float, default=float("inf"))
+    p.add_argument("--profile", action="store_true", help="add each shape's GPU kernel time a decode step (torch.profiler)")
     p.add_argument("--out", required=True)
     a = p.parse_args()
     start = time.perf_counter()
@@ -87,7 +121,7 @@ def main():
     model = transformers.LlamaForCausalLM(hf_config(a.model)).to(torch.bfloat16).cuda().eval()
     rows = []
     meta = {"transformers": transformers.__version__, "torch": torch.__version__, "device": torch.cuda.get_device_name(),
-            "compile": "generate's own (static cache)", "steps": a.steps, "repeats": a.repeats}
+            "compile": "generate's own (static cache)", "steps": a.steps, "repeats": a.repeats, "host_cpu": host_cpu()}
     for context in (int(c) for c in a.context.split(",")):
         for batch in (int(b) for b in a.batch.split(",")):
             row = {"batch": batch, "context": context}
@@ -107,6 +141,8 @@ def main():
                     row.update(prefill_s_samples=prefills, total_s_samples=totals, step_ms=decode / a.steps * 1e3,
                                tokens_per_s=batch * a.steps / decode, compiled=hasattr(model, "_compiled_call"),
                                step_ms_samples=steps_ms, step_ms_median=float(np.median(np.concatenate(steps_ms))))
+                    if a.profile:
+                        row.update(gpu_kernel_time_per_step(model, ids, a.steps))
                 except torch.OutOfMemoryError as exc:
                     row["error"] = repr(exc)[:300]
                 del ids
