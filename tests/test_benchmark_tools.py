@@ -512,7 +512,24 @@ def test_peer_gpu_kernel_time_counts_only_the_traces_kernels():
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     row = gpu_kernel_time_per_step(transformers.LlamaForCausalLM(config).eval(), torch.randint(0, 64, (2, 5)), 4)
     if not torch.cuda.is_available():
-        assert row == {"gpu_kernel_ms_per_step": 0.0, "kernels_per_step": 0.0, "profiled_kernel_ms": {"generate": 0.0, "prefill_only": 0.0}}
+        assert row == {"gpu_kernel_ms_per_step": 0.0, "kernels_per_step": 0.0, "profiled_kernel_ms": {"5_tokens": 0.0, "3_tokens": 0.0}}
+
+
+def test_peer_gpu_kernel_time_per_step_cancels_the_prefill_and_the_slow_first_step(monkeypatch):
+    """The per-step figure differences two generate lengths that both hold the prefill and the
+    first decode step (20 to 30 ms longer than the rest on the GPU machine), so neither enters it."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from benchmarks.peers import hf_generate
+
+    def fake_profile(model, ids, new_tokens):  # prefill 90 ms / 400 kernels, first step +25 ms, 7 ms / 800 a step
+        return 90.0 + 25.0 * (new_tokens > 1) + 7.0 * (new_tokens - 1), 400 + 800 * (new_tokens - 1)
+
+    monkeypatch.setattr(hf_generate, "profiled_kernel_time", fake_profile)
+    row = hf_generate.gpu_kernel_time_per_step(None, None, 30)
+    assert row["gpu_kernel_ms_per_step"] == pytest.approx(7.0)
+    assert row["kernels_per_step"] == pytest.approx(800.0)
+    assert row["profiled_kernel_ms"] == {"31_tokens": pytest.approx(325.0), "16_tokens": pytest.approx(220.0)}
 
 
 def test_e2e_pool_noise_takes_each_layers_pages_in_place():
