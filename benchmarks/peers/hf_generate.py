@@ -15,10 +15,11 @@ The gaps between the stamps after the first token are the decode steps one by on
 benchmarks.e2e_decode times ours (each step ends on its tokens on the host): `step_ms_samples`
 per generate and their median over all generates, `step_ms_median`.
 
-With `--profile`, one more generate of each length runs under torch.profiler, and the kernels in
-its trace give the GPU's share of the decode step (`gpu_kernel_ms_per_step`: the steps + 1 token
-generate's kernel time less the steps // 2 + 1 token generate's, over the steps between them). A step far longer on the host's
-clock than on the GPU waits on the host, and then a faster host CPU makes the peer faster.
+With `--profile`, two more generates of each shape (steps + 1 and steps // 2 + 1 tokens) run under
+torch.profiler, and the kernels in their traces give the GPU's share of the decode step
+(`gpu_kernel_ms_per_step`: the difference of their kernel times over the steps between them). A
+step far longer on the host's clock than on the GPU waits on the host, and then a faster host CPU
+makes the peer faster.
 
 Shapes run in the order given until `--deadline-s` has passed; later shapes are recorded as
 not run. A shape whose static cache does not fit is recorded with its error.
