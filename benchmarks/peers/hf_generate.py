@@ -104,7 +104,8 @@ def gpu_kernel_time_per_step(model, ids, steps: int) -> dict:
     long, short = steps + 1, steps // 2 + 1
     long_ms, long_count = profiled_kernel_time(model, ids, long)
     short_ms, short_count = profiled_kernel_time(model, ids, short)
-    return {"gpu_kernel_ms_per_step": (long_ms - short_ms) / (long - short), "kernels_per_step": (long_count - short_count) / (long - short),
+    steps_between = long - short
+    return {"gpu_kernel_ms_per_step": (long_ms - short_ms) / steps_between, "kernels_per_step": (long_count - short_count) / steps_between,
             "profiled_kernel_ms": {f"{long}_tokens": long_ms, f"{short}_tokens": short_ms}}
 
 
